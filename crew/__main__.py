@@ -1,0 +1,5 @@
+import sys
+
+from crew.cli import main
+
+sys.exit(main())

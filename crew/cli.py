@@ -1,0 +1,276 @@
+"""`crew run|plan`: parse the launch options, build the plan, hand it to a runner.
+
+Every launch option accepts DeepSpeed's spelling (`--num_gpus`) and the dashed one (`--num-gpus`),
+and takes its default from a `CREW_<NAME>` environment variable when set (e.g. CREW_HOSTFILE).
+This module, and all it imports, stays free of torch: only the ranks import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from crew import __version__
+from crew.errors import CrewError, LaunchError, PlanError
+from crew.launcher import runners
+from crew.launcher.env import gather_env
+from crew.launcher.hostfile import Host, read_hostfile
+from crew.launcher.job import Console, JobRun
+from crew.launcher.plan import Plan, build_plan, is_local_name, select_hosts
+from crew.launcher.protocol import JobSpec, NodeSpec
+
+LOCAL_HOST = "localhost"
+
+
+def _option(parser: argparse.ArgumentParser, *names: str, **kwargs) -> None:
+    """An option under its DeepSpeed name, its dashed twin, and a CREW_<NAME> env default."""
+    spellings = []
+    for name in names:
+        spellings.append(name)
+        if name.startswith("--") and "_" in name:
+            spellings.append(name.replace("_", "-"))
+    dest = kwargs.get("dest") or next(n for n in names if n.startswith("--"))[2:]
+    env_value = os.environ.get(f"CREW_{dest.upper()}")
+    if env_value is not None and kwargs.get("action") not in ("append", "store_true"):
+        kwargs["default"] = env_value
+    elif env_value is not None and kwargs.get("action") == "store_true":
+        kwargs["default"] = env_value.lower() in ("1", "true", "yes")
+    parser.add_argument(*spellings, dest=dest, **kwargs)
+
+
+def add_launch_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("launch options")
+    _option(group, "-H", "--hostfile", help="hosts to run on: '<host>[:<ssh port>] slots=N "
+            "[gpu=0,1]' per line. Without it, the job runs on this machine only.")
+    _option(group, "-i", "--include", default="",
+            help="use only these hosts/devices, e.g. 'worker-1:0,2@worker-2'")
+    _option(group, "-e", "--exclude", default="", help="leave out these hosts/devices, same form")
+    _option(group, "--num_nodes", type=int, help="use the first N hosts of the hostfile")
+    _option(group, "--num_gpus", "--nproc_per_node", type=int,
+            help="ranks per node: the first N slots of each host")
+    _option(group, "--master_addr", help="address rank 0 listens on (default: the first node)")
+    _option(group, "--master_port", type=int, help="port rank 0 listens on (default: a free one)")
+    _option(group, "--launcher", choices=runners.RUNNERS,
+            help="how to start each node: local (no hostfile), ssh (hostfile), pdsh, standalone")
+    _option(group, "--force_multi", action="store_true",
+            help="use ssh even for a one-node hostfile naming this machine")
+    _option(group, "--node_rank", type=int, help="standalone: which node of the plan this is")
+    _option(group, "--no_local_rank", action="store_true",
+            help="do not pass --local_rank=N to the script (LOCAL_RANK is set either way)")
+    _option(group, "--module", action="store_true", help="SCRIPT is a module: python -m SCRIPT")
+    _option(group, "--no_python", action="store_true",
+            help="SCRIPT is an executable: run it directly, not with python")
+    _option(group, "--env", action="append", default=[], metavar="KEY=VALUE",
+            help="set a variable for every rank on every node (repeatable)")
+    _option(group, "--log_dir", "--enable_each_rank_log", metavar="DIR",
+            help="also write each rank's output to DIR/rank<N>.log on its node")
+    _option(group, "--max_restarts", type=int, default=0,
+            help="restart the whole job up to N times after a failure")
+    _option(group, "--ssh_port", type=int, help="ssh port for hosts that give none in the hostfile")
+    _option(group, "--ssh_args", default="",
+            help="extra ssh client arguments, e.g. \"-i ~/.ssh/cluster -F ssh_config\"")
+    _option(group, "--python", default=sys.executable,
+            help="Python on every node that runs crew's agent and the ranks "
+                 "(default: this one, at the same path)")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything resolved from the options, before anything starts."""
+
+    launcher: str
+    hosts: list[Host]
+    plan: Plan
+    ssh_args: tuple[str, ...]
+
+
+def resolve(args: argparse.Namespace) -> Launch:
+    hosts = read_hostfile(args.hostfile) if args.hostfile else [_this_machine(args)]
+    if args.num_nodes is not None and args.num_nodes > 1 and not args.hostfile:
+        raise PlanError(f"--num_nodes {args.num_nodes} needs a --hostfile listing that many hosts.")
+    hosts = select_hosts(hosts, args.include, args.exclude, args.num_nodes,
+                         None if not args.hostfile else args.num_gpus)
+    if args.ssh_port:
+        hosts = [h if h.ssh_port else Host(h.name, h.slots, args.ssh_port) for h in hosts]
+    launcher = _choose_launcher(args, hosts)
+    ssh_args = tuple(shlex.split(args.ssh_args))
+    master_addr = args.master_addr or _default_master(launcher, hosts[0], ssh_args)
+    if launcher == "standalone" and len(hosts) > 1 and not args.master_port:
+        raise PlanError("--launcher standalone on several nodes needs --master_port: each node "
+                        "plans on its own and all must agree on the port.")
+    port = args.master_port or _free_port()
+    env = gather_env(os.environ, Path.home(), Path.cwd(), args.env)
+    return Launch(launcher, hosts, build_plan(hosts, master_addr, port, env), ssh_args)
+
+
+def _this_machine(args: argparse.Namespace) -> Host:
+    count = args.num_gpus or len(_local_devices()) or 1
+    devices = _local_devices() or list(range(count))
+    if count > len(devices):
+        raise PlanError(f"--num_gpus {count}: this machine has only {len(devices)} GPU(s) visible.")
+    return Host(LOCAL_HOST, tuple(devices[:count]))
+
+
+def _local_devices() -> list[int]:
+    """GPU ids visible here, found without importing torch (CUDA_VISIBLE_DEVICES, /dev/nvidiaN)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [part.strip() for part in visible.split(",") if part.strip()]
+        return [int(i) for i in ids] if all(i.isdigit() for i in ids) else list(range(len(ids)))
+    found = (re.fullmatch(r"nvidia(\d+)", p.name) for p in Path("/dev").glob("nvidia*"))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def _choose_launcher(args: argparse.Namespace, hosts: list[Host]) -> str:
+    launcher = args.launcher
+    if launcher is None:
+        here = socket.gethostname()
+        one_here = len(hosts) == 1 and is_local_name(hosts[0].name, here)
+        launcher = "local" if not args.hostfile or (one_here and not args.force_multi) else "ssh"
+    if launcher == "slurm":
+        raise LaunchError("--launcher slurm is not supported yet. Inside an allocation, run "
+                          "'srun --ntasks-per-node=1 crew run --launcher standalone --node_rank "
+                          "$SLURM_NODEID ...' instead.")
+    if launcher == "local" and len(hosts) > 1:
+        raise PlanError(f"--launcher local runs one node, but the plan has {len(hosts)}. "
+                        "Use --launcher ssh, or --num_nodes 1.")
+    if launcher == "standalone" and args.node_rank is None:
+        raise PlanError("--launcher standalone needs --node_rank K: run the same command on each "
+                        "node with K = 0, 1, ... in hostfile order.")
+    if args.node_rank is not None and not 0 <= args.node_rank < len(hosts):
+        raise PlanError(f"--node_rank {args.node_rank}: the plan has nodes 0..{len(hosts) - 1}.")
+    return launcher
+
+
+def _default_master(launcher: str, first: Host, ssh_args: tuple[str, ...]) -> str:
+    if launcher == "local":
+        return "127.0.0.1"
+    if launcher in ("ssh", "pdsh"):
+        return runners.resolve_ssh_host(first.name, first.ssh_port, ssh_args)
+    return first.name
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0) -> JobSpec:
+    plan = launch.plan
+    cwd = os.getcwd()
+    mode = "module" if args.module else "exec" if args.no_python else "python"
+    return JobSpec(
+        job_id=uuid.uuid4().hex[:8],
+        nodes=tuple(NodeSpec(n.host, n.slots, n.ranks) for n in plan.nodes),
+        master_addr=plan.master_addr, master_port=plan.master_port,
+        program=(args.script or "<script>", *getattr(args, "script_args", [])),
+        cwd=cwd, mode=mode, env=plan.env, local_rank_arg=not args.no_local_rank,
+        log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
+        restart_count=restart_count)
+
+
+def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace):
+    ports = [node.ssh_port for node in launch.plan.nodes]
+    if launch.launcher == "ssh":
+        return runners.ssh_launches(job, args.python, ports, launch.ssh_args)
+    if launch.launcher == "pdsh":
+        return runners.pdsh_launches(job, args.python, ports, launch.ssh_args)
+    return runners.local_launches(job, args.python, args.node_rank or 0)
+
+
+def format_layout(launch: Launch, job_id: str | None = None) -> str:
+    plan = launch.plan
+    head = f"job {job_id} · " if job_id else ""
+    lines = [f"{head}{plan.world_size} rank(s) on {len(plan.nodes)} node(s) · launcher "
+             f"{launch.launcher} · master {plan.master_addr}:{plan.master_port}"]
+    for node in plan.nodes:
+        port = f" (ssh port {node.ssh_port})" if node.ssh_port else ""
+        ranks = f"{node.ranks[0]}-{node.ranks[-1]}" if len(node.ranks) > 1 else f"{node.ranks[0]}"
+        devices = ",".join(map(str, node.slots))
+        lines.append(f"  node {node.node_rank}: {node.host}{port} → ranks {ranks} → devices {devices}")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    launch = resolve(args)
+    job = job_spec(launch, args)
+    launches = agent_launches(launch, job, args)
+    command = {n: list(a.argv) for a in launches for n in a.node_ranks}
+    if args.json:
+        data = {**launch.plan.to_json(), "launcher": launch.launcher}
+        for node_rank, node in enumerate(data["nodes"]):
+            node["command"] = command.get(node_rank)
+        print(json.dumps(data, indent=2))
+        return 0
+    print(format_layout(launch))
+    for name, value in launch.plan.env.items():
+        print(f"  env {name}={shlex.quote(value)}")
+    for a in launches:
+        print(f"  command ({a.label}): {shlex.join(a.argv)}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if not args.script:
+        raise CrewError("crew run: name the training script, e.g. crew run train.py --deepspeed")
+    launch = resolve(args)
+    if launch.launcher in ("local", "standalone") and not (args.module or args.no_python):
+        if not Path(args.script).is_file():
+            raise CrewError(f"crew run: script {args.script} not found (in {os.getcwd()}).")
+    console = Console(sys.stdout.buffer, sys.stderr.buffer)
+    ports = {node.node_rank: node.ssh_port for node in launch.plan.nodes}
+    for attempt in range(args.max_restarts + 1):
+        job = job_spec(launch, args, restart_count=attempt)
+        console.say(format_layout(launch, job.job_id))
+        run = JobRun(job, agent_launches(launch, job, args), console, ports)
+        code = run.run()
+        if code == 0 or run.interrupted or attempt == args.max_restarts:
+            return code
+        console.say(f"restarting the job ({attempt + 1} of {args.max_restarts}).")
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="crew", description="Train PyTorch models on many "
+                                     "processes across many machines (DeepSpeed-compatible).")
+    parser.add_argument("--version", action="version", version=f"crew {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser("run", help="launch SCRIPT on every slot of the world",
+                              allow_abbrev=False)
+    add_launch_options(run)
+    run.add_argument("script", nargs="?", help="training script (or module, or executable)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(handler=cmd_run)
+    plan = commands.add_parser("plan", help="print the resolved world; start nothing",
+                               allow_abbrev=False)
+    add_launch_options(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("script", nargs="?", help="training script, to show the full command")
+    plan.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    plan.set_defaults(handler=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "module", False) and getattr(args, "no_python", False):
+        print("crew: error: --module and --no_python cannot be used together.", file=sys.stderr)
+        return 2
+    try:
+        return args.handler(args)
+    except CrewError as exc:
+        print(f"crew: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""`python -m crew.launcher.agent`: one per node per job, started by `crew run` through a runner.
+
+It starts the node's ranks, streams their output as whole lines prefixed `[host:rank] `, writes one
+log file per rank when asked, and owns teardown. It stops every rank (SIGTERM to each rank's process
+group, SIGKILL after a grace period) when a rank fails, when it is signalled, and when its connection
+to the launcher closes (stdin EOF, or stdout hang-up under pdsh), so that even a launcher killed with
+SIGKILL leaves nothing running on this node. Only the process groups of its own ranks are signalled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import queue
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from crew.launcher.protocol import JobSpec, NodeSpec, encode_event
+
+STDERR_TAIL_LINES = 20
+KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel before giving up on a rank
+_LINE_END = re.compile(rb"\r\n|\n|\r")
+_MAX_LINE = 1 << 20
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Rank:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    log: BinaryIO | None = None
+    stderr_tail: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
+
+    @property
+    def code(self) -> int | None:
+        return self.proc.returncode
+
+
+class Output:
+    """Writes whole lines from many threads to the agent's stdout/stderr and to rank logs."""
+
+    def __init__(self, on_broken):
+        self._lock = threading.Lock()
+        self._on_broken = on_broken
+
+    def write(self, fd: int, data: bytes, log: BinaryIO | None = None, log_data: bytes = b""):
+        with self._lock:
+            if log is not None:
+                log.write(log_data)
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+            except OSError:  # the launcher (or ssh) is gone
+                self._on_broken()
+
+    def event(self, kind: str, **fields) -> None:
+        self.write(1, encode_event(kind, **fields))
+
+
+def split_lines(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Complete lines (ended by \\n, \\r\\n or a progress bar's bare \\r) and the unfinished rest."""
+    lines, start = [], 0
+    end = len(buffer) - 1 if buffer.endswith(b"\r") else len(buffer)  # \r\n may be split
+    for match in _LINE_END.finditer(buffer, 0, end):
+        line = buffer[start:match.start()]
+        if line or match.group() != b"\r":  # a bare \r with nothing before it is no line
+            lines.append(line)
+        start = match.end()
+    return lines, buffer[start:]
+
+
+def rank_env(job: JobSpec, node_rank: int, local_rank: int, base: dict[str, str]) -> dict[str, str]:
+    """The environment of one rank: the torchrun/DeepSpeed variables on top of the job's env."""
+    node = job.nodes[node_rank]
+    env = {**base, **job.env}
+    env.update({
+        "RANK": str(node.ranks[local_rank]),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(job.world_size),
+        "LOCAL_WORLD_SIZE": str(len(node.ranks)),
+        "NODE_RANK": str(node_rank),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(len(job.nodes)),
+        "MASTER_ADDR": job.master_addr,
+        "MASTER_PORT": str(job.master_port),
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, node.slots)),
+        "CREW_JOB_ID": job.job_id,
+        "CREW_HOST": node.host,
+        "CREW_RESTART_COUNT": str(job.restart_count),
+    })
+    # As torchrun: N ranks each running a thread per core oversubscribe the node many times over.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // len(node.ranks))))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def rank_argv(job: JobSpec, local_rank: int) -> list[str]:
+    """The rank's command line; Python ranks run on the agent's own interpreter."""
+    target, *args = job.program
+    head = {"python": [sys.executable, "-u", target],
+            "module": [sys.executable, "-u", "-m", target], "exec": [target]}[job.mode]
+    local_rank_flag = [f"--local_rank={local_rank}"] if job.local_rank_arg else []
+    return [*head, *local_rank_flag, *args]
+
+
+def preflight(job: JobSpec, node_rank: int) -> str | None:
+    """What would stop the ranks from starting here, said plainly; None when all is well."""
+    host = job.nodes[node_rank].host
+    if not Path(job.cwd).is_dir():
+        return (f"working directory {job.cwd} does not exist on {host}. crew runs every node in the "
+                f"launching directory: copy the code to the same path on {host}.")
+    target = Path(job.cwd, job.program[0])
+    if job.mode == "python" and not target.is_file():
+        return (f"script {target} not found on {host}. Copy the code to the same path on every "
+                "node (or put it on a shared filesystem).")
+    if node_rank == 0:
+        return _master_port_problem(job.master_port, host)
+    return None
+
+
+def _master_port_problem(port: int, host: str) -> str | None:
+    # Rank 0 (on node 0) listens on the master port; SO_REUSEADDR as torch's store does, so a
+    # port left in TIME_WAIT by the last job counts as free.
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            return (f"master port {port} is already in use on {host} ({exc.strerror}). Pass a free "
+                    "--master_port, or leave it out and crew picks a free one.")
+    return None
+
+
+def _die_with_agent() -> None:
+    # If the agent itself is SIGKILLed (OOM killer), its ranks get SIGKILL too rather than run on.
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def spawn(job: JobSpec, node_rank: int) -> list[Rank]:
+    node = job.nodes[node_rank]
+    log_dir = Path(job.cwd, job.log_dir) if job.log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    ranks: list[Rank] = []
+    try:
+        for local_rank, rank in enumerate(node.ranks):
+            proc = subprocess.Popen(
+                rank_argv(job, local_rank), cwd=job.cwd,
+                env=rank_env(job, node_rank, local_rank, dict(os.environ)),
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, preexec_fn=_die_with_agent)
+            log = open(log_dir / f"rank{rank}.log", "ab", buffering=0) if log_dir else None
+            ranks.append(Rank(rank, local_rank, proc, log))
+    except OSError:
+        for started in ranks:
+            os.killpg(started.proc.pid, signal.SIGKILL)
+        raise
+    return ranks
+
+
+def pump(rank: Rank, stream: BinaryIO, fd_out: int, prefix: bytes, output: Output) -> None:
+    """Copy one rank stream to the agent's stream of the same kind, a whole line at a time."""
+    pending = b""
+    while chunk := os.read(stream.fileno(), 65536):
+        lines, pending = split_lines(pending + chunk)
+        if len(pending) > _MAX_LINE:
+            lines, pending = [*lines, pending], b""
+        for line in lines:
+            _emit(rank, line, fd_out, prefix, output)
+    if pending:
+        _emit(rank, pending.rstrip(b"\r"), fd_out, prefix, output)
+    stream.close()
+
+
+def _emit(rank: Rank, line: bytes, fd_out: int, prefix: bytes, output: Output) -> None:
+    if fd_out == 2:
+        rank.stderr_tail.append(line.decode(errors="replace"))
+    output.write(fd_out, prefix + line + b"\n", rank.log, line + b"\n")
+
+
+def watch_launcher(events: queue.Queue, watch_stdin: bool) -> None:
+    """Post a stop when the launcher's end closes: stdin EOF, or stdout hang-up (pdsh)."""
+    poller = select.poll()
+    if watch_stdin:
+        poller.register(0, select.POLLIN)
+    poller.register(1, 0)  # errors and hang-ups only
+    while True:
+        for fd, mask in poller.poll():
+            if fd == 0 and os.read(0, 65536):
+                continue  # the launcher sends nothing after the spec; ignore stray bytes
+            reason = "the launcher closed the connection" if fd == 0 else "the launcher is gone"
+            events.put(("stop", reason))
+            return
+
+
+class Supervisor:
+    """Waits for the ranks; on the first failure or a stop, takes every rank's group down."""
+
+    def __init__(self, job: JobSpec, node_rank: int, ranks: list[Rank], output: Output,
+                 events: queue.Queue):
+        self.job, self.node, self.ranks = job, job.nodes[node_rank], ranks
+        self.node_rank, self.output, self.events = node_rank, output, events
+        self.failure: Rank | None = None
+        self.stop_reason: str | None = None
+        self._deadline: float | None = None
+        self._killed = False
+
+    def run(self) -> int:
+        live = len(self.ranks)
+        while live:
+            try:
+                kind, value = self.events.get(timeout=self._time_left())
+            except queue.Empty:
+                if self._killed:
+                    break  # unkillable (D state): report what we have rather than hang
+                self._signal_all(signal.SIGKILL)
+                continue
+            if kind == "exit":
+                live -= 1
+                self._on_exit(value)
+            elif kind == "stop":
+                self._stop(value)
+            elif kind == "signal":
+                self._stop(value, escalate=True)
+        self._signal_all(signal.SIGKILL)  # stray grandchildren left in a rank's group
+        return self._exit_code()
+
+    def _time_left(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def _on_exit(self, rank: Rank) -> None:
+        if rank.code != 0 and self.failure is None and self.stop_reason is None:
+            self.failure = rank
+            self._report_failure(rank)
+            self._stop(f"rank {rank.rank} failed")
+
+    def _stop(self, reason: str, escalate: bool = False) -> None:
+        if self.stop_reason is not None:
+            if escalate:  # signalled again (a second Ctrl-C): no more grace
+                self._signal_all(signal.SIGKILL)
+            return
+        self.stop_reason = reason
+        self._signal_all(signal.SIGTERM)
+        self._deadline = time.monotonic() + self.job.grace_s
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        for rank in self.ranks:
+            try:
+                os.killpg(rank.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if sig == signal.SIGKILL:
+            self._killed = True
+            self._deadline = time.monotonic() + KILL_WAIT_S
+
+    def _report_failure(self, rank: Rank) -> None:
+        code = rank.code
+        self.output.event(
+            "rank_failed", node=self.node_rank, host=self.node.host, rank=rank.rank,
+            local_rank=rank.local_rank, code=code,
+            signal=signal.Signals(-code).name if code < 0 else None,
+            stderr_tail=list(rank.stderr_tail),
+            log=rank.log.name if rank.log else None)
+
+    def _exit_code(self) -> int:
+        if self.failure is not None:
+            code = self.failure.code
+            return 128 - code if code < 0 else code
+        return 0 if self.stop_reason is None else 128 + signal.SIGTERM
+
+
+def _seconds_since_exec() -> float:
+    """How long this process took to get here since exec: Python start-up and imports."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def run(job: JobSpec, node_rank: int, watch_stdin: bool) -> int:
+    events: queue.Queue = queue.Queue()
+    output = Output(on_broken=lambda: events.put(("stop", "the launcher is gone")))
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda num, _: events.put(("signal", signal.Signals(num).name)))
+    node = job.nodes[node_rank]
+    problem = preflight(job, node_rank)
+    if problem:
+        output.event("error", node=node_rank, host=node.host, message=problem)
+        return 1
+    started = time.monotonic()
+    boot_s = _seconds_since_exec()
+    try:
+        ranks = spawn(job, node_rank)
+    except OSError as exc:
+        output.event("error", node=node_rank, host=node.host,
+                     message=f"cannot start the ranks on {node.host}: {exc}")
+        return 1
+    output.event("started", node=node_rank, host=node.host, pids=[r.proc.pid for r in ranks],
+                 boot_s=round(boot_s, 3), spawn_s=round(time.monotonic() - started, 3))
+    pumps = _start_threads(ranks, node, output, events, watch_stdin)
+    code = Supervisor(job, node_rank, ranks, output, events).run()
+    for thread in pumps:
+        thread.join(timeout=2.0)  # a daemon that escaped its group may hold a pipe open
+    for rank in ranks:
+        if rank.log:
+            rank.log.close()
+    output.event("done", node=node_rank, host=node.host,
+                 codes={r.rank: r.code for r in ranks}, exit_code=code)
+    return code
+
+
+def _start_threads(ranks: list[Rank], node: NodeSpec, output: Output, events: queue.Queue,
+                   watch_stdin: bool) -> list[threading.Thread]:
+    def start(target, *args) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        return thread
+
+    pumps = []
+    for rank in ranks:
+        prefix = f"[{node.host}:{rank.rank}] ".encode()
+        pumps.append(start(pump, rank, rank.proc.stdout, 1, prefix, output))
+        pumps.append(start(pump, rank, rank.proc.stderr, 2, prefix, output))
+        start(lambda r: (r.proc.wait(), events.put(("exit", r))), rank)
+    start(watch_launcher, events, watch_stdin)
+    return pumps
+
+
+def _read_spec_line(fd: int) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m crew.launcher.agent",
+                                     description="crew's per-node agent (started by `crew run`).")
+    parser.add_argument("--job", help="job id, for `ps` readers; the spec carries the real one")
+    parser.add_argument("--node_rank", type=int, required=True)
+    parser.add_argument("--spec_b64", help="the job spec in base64 (default: one JSON line on stdin)")
+    parser.add_argument("--watch", choices=("stdin", "stdout"), default="stdin",
+                        help="how to notice the launcher is gone: stdin EOF, or stdout hang-up")
+    args = parser.parse_args(argv)
+    job = JobSpec.from_b64(args.spec_b64) if args.spec_b64 else JobSpec.from_json(_read_spec_line(0))
+    if not 0 <= args.node_rank < len(job.nodes):
+        parser.error(f"--node_rank {args.node_rank} is not in 0..{len(job.nodes) - 1}")
+    return run(job, args.node_rank, watch_stdin=args.watch == "stdin")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Run one job: start every node's agent, merge their output, stop them all on the first failure.
+
+The launcher holds each agent's stdin open for the life of the job. Closing it is how the launcher
+says "stop", and it is also what the agents see if the launcher dies, however it dies.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from crew.launcher.protocol import JobSpec, decode_event
+from crew.launcher.runners import AgentLaunch
+
+STOP_WAIT_S = 15.0  # after asking agents to stop: their grace period plus this, then SIGKILL
+AGENT_TAIL_LINES = 20
+_SSH_FIXES = (
+    ("Permission denied", "the key is not authorised there. Run 'ssh-copy-id {port}{host}' "
+     "(or add the key to ~/.ssh/authorized_keys on {host}); 'ssh {port}{host} true' must work "
+     "without a password."),
+    ("Host key verification failed", "{host} is not in ~/.ssh/known_hosts. Connect once by hand "
+     "('ssh {port}{host} true') and check the fingerprint, or add it with 'ssh-keyscan {port}{host}"
+     " >> ~/.ssh/known_hosts'."),
+    ("Connection refused", "nothing listens for ssh there. Start sshd on {host}, or give the "
+     "right ssh port in the hostfile ('{host}:<port> slots=N')."),
+    ("Could not resolve hostname", "the name does not resolve. Fix the hostfile, or add a 'Host' "
+     "entry with a HostName to ~/.ssh/config."),
+    ("timed out", "{host} does not answer. Check the address, the port and the firewall."),
+    ("No module named", "crew is not installed for that Python on {host}. Install crew there in "
+     "the same environment (same path), or pass --python with the interpreter that has it."),
+    ("No such file or directory", "the Python interpreter is missing at that path on {host}. "
+     "Install the same environment at the same path on every node, or pass --python."),
+)
+
+
+@dataclass
+class Agent:
+    launch: AgentLaunch
+    proc: subprocess.Popen
+    started_at: float
+    stderr_tail: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=AGENT_TAIL_LINES))
+
+
+@dataclass
+class Failure:
+    code: int
+    message: str
+
+
+class Console:
+    """The launcher's stdout (rank output) and stderr (ranks' stderr and crew's own messages)."""
+
+    def __init__(self, out: BinaryIO, err: BinaryIO):
+        self.out, self.err, self._lock = out, err, threading.Lock()
+
+    def write(self, stream: BinaryIO, data: bytes) -> None:
+        with self._lock:
+            try:
+                stream.write(data)
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # our own terminal or pipe is gone; keep tearing down regardless
+
+    def say(self, text: str) -> None:
+        self.write(self.err, "".join(f"crew: {line}\n" for line in text.splitlines()).encode())
+
+
+class JobRun:
+    def __init__(self, job: JobSpec, launches: list[AgentLaunch], console: Console,
+                 ports: dict[int, int | None] | None = None):
+        self.job, self.launches, self.console = job, launches, console
+        self.ports = ports or {}
+        self.events: queue.Queue = queue.Queue()
+        self.agents: list[Agent] = []
+        self.failure: Failure | None = None
+        self.interrupted: str | None = None
+        self.started: dict[int, dict] = {}
+        self.done: set[int] = set()
+        self._stop_deadline: float | None = None
+
+    def run(self) -> int:
+        handlers = self._install_signal_handlers()
+        try:
+            for launch in self.launches:
+                self._start(launch)
+            self._supervise()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        return self._exit_code()
+
+    def _install_signal_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(
+                sig, lambda num, _: self.events.put(("signal", None, signal.Signals(num).name)))
+        return previous
+
+    def _start(self, launch: AgentLaunch) -> None:
+        env = {**os.environ, **launch.env} if launch.env else None
+        # Own session: a Ctrl-C reaches only `crew run`, which then stops every node in order.
+        proc = subprocess.Popen(launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, start_new_session=True)
+        agent = Agent(launch, proc, time.monotonic())
+        index = len(self.agents)
+        self.agents.append(agent)
+        if launch.spec_on_stdin:
+            try:
+                proc.stdin.write(self.job.to_line())
+                proc.stdin.flush()
+            except OSError:
+                pass  # it died at once; its stderr says why
+        readers = [self._thread(self._read_stdout, index), self._thread(self._read_stderr, index)]
+        self._thread(self._wait, index, readers)
+
+    def _thread(self, target, *args) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        return thread
+
+    def _read_stdout(self, index: int) -> None:
+        for line in self.agents[index].proc.stdout:
+            event = decode_event(line)
+            if event is None:
+                self.console.write(self.console.out, line)
+            else:
+                self.events.put(("event", index, event))
+
+    def _read_stderr(self, index: int) -> None:
+        agent = self.agents[index]
+        for line in agent.proc.stderr:
+            agent.stderr_tail.append(line.decode(errors="replace").rstrip())
+            self.console.write(self.console.err, line)
+
+    def _wait(self, index: int, readers: list[threading.Thread]) -> None:
+        for reader in readers:
+            reader.join()
+        self.agents[index].proc.wait()
+        self.events.put(("exited", index, None))
+
+    def _supervise(self) -> None:
+        running = len(self.agents)
+        while running:
+            try:
+                kind, index, value = self.events.get(timeout=self._time_left())
+            except queue.Empty:
+                self._kill_agents()
+                continue
+            if kind == "event":
+                self._on_event(index, value)
+            elif kind == "exited":
+                running -= 1
+                self._on_agent_exit(self.agents[index])
+            elif kind == "signal":
+                self._on_signal(value)
+
+    def _time_left(self) -> float | None:
+        if self._stop_deadline is None:
+            return None
+        return max(0.0, self._stop_deadline - time.monotonic())
+
+    def _on_event(self, index: int, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "started":
+            self.started[event["node"]] = {**event, "at": time.monotonic(),
+                                           "agent_at": self.agents[index].started_at}
+            if len(self.started) == len(self.job.nodes):
+                self._report_startup()
+        elif kind == "rank_failed":
+            self._fail(_exit_code(event["code"]), _describe_rank_failure(event))
+        elif kind == "error":
+            self._fail(1, f"{event['host']}: {event['message']}")
+        elif kind == "done":
+            self.done.add(event["node"])
+
+    def _on_agent_exit(self, agent: Agent) -> None:
+        missing = [n for n in agent.launch.node_ranks if n not in self.done]
+        if missing and self.failure is None and self.interrupted is None:
+            code = agent.proc.returncode
+            self._fail(_exit_code(code) or 1, self._describe_agent_failure(agent, code))
+
+    def _on_signal(self, name: str) -> None:
+        if self.interrupted is not None:
+            self.console.say(f"{name} again: killing every node's agent now.")
+            self._kill_agents()
+            return
+        self.interrupted = name
+        self.console.say(f"{name} received: stopping every rank on every node.")
+        self._stop_all()
+
+    def _fail(self, code: int, message: str) -> None:
+        if self.failure is not None or self.interrupted is not None:
+            return
+        self.failure = Failure(code, message)
+        self.console.say(message)
+        self._stop_all()
+
+    def _stop_all(self) -> None:
+        self._stop_deadline = time.monotonic() + self.job.grace_s + STOP_WAIT_S
+        for agent in self.agents:
+            if agent.launch.spec_on_stdin:
+                try:
+                    agent.proc.stdin.close()
+                except OSError:
+                    pass
+            else:  # pdsh: its agents watch their stdout, which ends with pdsh and its ssh clients
+                _signal_group(agent.proc, signal.SIGTERM)
+
+    def _kill_agents(self) -> None:
+        for agent in self.agents:
+            _signal_group(agent.proc, signal.SIGKILL)
+        self._stop_deadline = None
+
+    def _report_startup(self) -> None:
+        parts = []
+        for node_rank in sorted(self.started):
+            info = self.started[node_rank]
+            total = info["at"] - info["agent_at"]
+            connect = max(0.0, total - info["boot_s"] - info["spawn_s"])
+            parts.append(f"{info['host']}: connect {connect:.2f}s, agent {info['boot_s']:.2f}s, "
+                         f"ranks spawned {info['spawn_s']:.2f}s")
+        slowest = max(i["at"] - i["agent_at"] for i in self.started.values())
+        self.console.say(f"all {len(self.started)} node(s) started in {slowest:.2f}s ("
+                         + "; ".join(parts) + ")")
+
+    def _describe_agent_failure(self, agent: Agent, code: int) -> str:
+        tail = "\n".join(f"    {line}" for line in agent.stderr_tail) or "    (nothing)"
+        host = agent.launch.label
+        port = self.ports.get(agent.launch.node_ranks[0])
+        port_flag = f"-p {port} " if port else ""
+        fix = next((fix for needle, fix in _SSH_FIXES
+                    if any(needle in line for line in agent.stderr_tail)), None)
+        message = f"{host}: the crew agent ended with code {code} before its ranks finished."
+        if fix:
+            message += " " + fix.format(host=host, port=port_flag)
+        return f"{message}\n  Its last stderr lines:\n{tail}"
+
+    def _exit_code(self) -> int:
+        if self.failure is not None:
+            return self.failure.code
+        if self.interrupted is not None:
+            return 128 + signal.Signals[self.interrupted].value
+        return 0
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _exit_code(code: int) -> int:
+    """A shell's view of a process's end: N for exit(N), 128+S for signal S."""
+    return 128 - code if code < 0 else code
+
+
+def _describe_rank_failure(event: dict) -> str:
+    where = f"{event['host']} rank {event['rank']} (local {event['local_rank']})"
+    if event.get("signal"):
+        how = f"was killed by {event['signal']} (signal {-event['code']})"
+        if event["signal"] == "SIGKILL":
+            how += "; if crew did not send it, the kernel's out-of-memory killer may have (dmesg)"
+    else:
+        how = f"exited with code {event['code']}"
+    lines = [f"{where} {how} (first failure)."]
+    if event.get("stderr_tail"):
+        lines.append("  Last stderr lines:")
+        lines += [f"    {line}" for line in event["stderr_tail"]]
+    if event.get("log"):
+        lines.append(f"  Log: {event['log']}")
+    return "\n".join(lines)
+
+
+def run_job(job: JobSpec, launches: list[AgentLaunch], ports: dict[int, int | None] | None = None,
+            out: BinaryIO | None = None, err: BinaryIO | None = None) -> int:
+    console = Console(out or sys.stdout.buffer, err or sys.stderr.buffer)
+    return JobRun(job, launches, console, ports).run()

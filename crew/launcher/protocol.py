@@ -1,0 +1,77 @@
+"""The contract between `crew run` and the node agents it starts.
+
+The launcher hands every agent the same `JobSpec` as one JSON line (on stdin, or base64 in argv for pdsh,
+which has no stdin). Values travel as JSON, never through a shell, so no hostname, path or environment
+value is ever interpreted by one. The agent answers on its stdout: rank output lines (always prefixed
+`[host:rank] `) and event lines that start with EVENT_MARK, which no prefixed line can.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import asdict, dataclass, field
+
+EVENT_MARK = b"\x1ecrew-event "
+AGENT_MODULE = "crew.launcher.agent"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    host: str
+    slots: tuple[int, ...]  # device ids
+    ranks: tuple[int, ...]  # global ranks, one per slot
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything an agent needs; the same for every node, which picks its own by node rank."""
+
+    job_id: str
+    nodes: tuple[NodeSpec, ...]
+    master_addr: str
+    master_port: int
+    program: tuple[str, ...]  # script (or module, or executable) and its arguments
+    cwd: str
+    mode: str = "python"  # "python": python -u SCRIPT; "module": python -u -m MODULE; "exec": SCRIPT
+    env: dict[str, str] = field(default_factory=dict)
+    local_rank_arg: bool = True
+    log_dir: str | None = None
+    grace_s: float = 5.0
+    restart_count: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(node.ranks) for node in self.nodes)
+
+    def to_line(self) -> bytes:
+        return json.dumps(asdict(self)).encode() + b"\n"
+
+    def to_b64(self) -> str:
+        return base64.b64encode(self.to_line().rstrip()).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "JobSpec":
+        data = json.loads(text)
+        data["nodes"] = tuple(
+            NodeSpec(n["host"], tuple(n["slots"]), tuple(n["ranks"])) for n in data["nodes"])
+        data["program"] = tuple(data["program"])
+        return cls(**data)
+
+    @classmethod
+    def from_b64(cls, text: str) -> "JobSpec":
+        return cls.from_json(base64.b64decode(text))
+
+
+def encode_event(kind: str, **fields) -> bytes:
+    return EVENT_MARK + json.dumps({"event": kind, **fields}).encode() + b"\n"
+
+
+def decode_event(line: bytes) -> dict | None:
+    """The event carried by an agent output line, or None for an ordinary output line."""
+    if not line.startswith(EVENT_MARK):
+        return None
+    try:
+        return json.loads(line[len(EVENT_MARK):])
+    except ValueError:
+        return None

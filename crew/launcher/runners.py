@@ -1,0 +1,108 @@
+"""How the node agents get started: local, ssh, pdsh or standalone. Plan in, argv out.
+
+Each runner turns a JobSpec into `AgentLaunch`es, the processes `crew run` starts on the launching
+machine. Whatever goes to a remote shell is built with shlex quoting from validated parts; the job spec
+itself (environment values included) travels as JSON on stdin, or base64 for pdsh, never as shell text.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from crew.errors import LaunchError
+from crew.launcher.protocol import AGENT_MODULE, JobSpec
+
+RUNNERS = ("local", "ssh", "pdsh", "standalone", "slurm")
+# BatchMode: a missing key fails at once instead of prompting on a terminal nobody watches.
+# ServerAlive: a dead network path is noticed in ~30 s, and the remote agents stop their ranks.
+SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
+               "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6")
+
+
+@dataclass(frozen=True)
+class AgentLaunch:
+    """One process on the launching machine that runs the agent of one node (or of all, for pdsh)."""
+
+    node_ranks: tuple[int, ...]
+    argv: tuple[str, ...]
+    label: str  # how messages name it: the host, or "pdsh"
+    spec_on_stdin: bool = True
+    env: dict[str, str] | None = None  # extra environment for this launching-side process
+
+
+def agent_argv(python: str, job: JobSpec, node_rank: int | str, *extra: str) -> list[str]:
+    return [python, "-u", "-m", AGENT_MODULE, "--job", job.job_id,
+            "--node_rank", str(node_rank), *extra]
+
+
+def remote_command(python: str, job: JobSpec, node_rank: int | str, *extra: str) -> str:
+    """Shell text for the remote side: go to the launching directory, start the agent there.
+
+    A failed `cd` does not stop the agent: it reports the missing directory itself, with the fix.
+    PYTHONPATH is set for the agent too, so crew runs from a source checkout on every node.
+    """
+    command = shlex.join(agent_argv(python, job, node_rank, *extra))
+    if "PYTHONPATH" in job.env:
+        command = f"env PYTHONPATH={shlex.quote(job.env['PYTHONPATH'])} {command}"
+    return f"cd {shlex.quote(job.cwd)}; exec {command}"
+
+
+def local_launches(job: JobSpec, python: str, node_rank: int = 0) -> list[AgentLaunch]:
+    """`local` (one node, this machine) and `standalone` (this machine's node of a larger world)."""
+    return [AgentLaunch((node_rank,), tuple(agent_argv(python, job, node_rank)),
+                        job.nodes[node_rank].host)]
+
+
+def ssh_launches(job: JobSpec, python: str, ports: Sequence[int | None],
+                 ssh_args: Sequence[str] = ()) -> list[AgentLaunch]:
+    launches = []
+    for node_rank, (node, port) in enumerate(zip(job.nodes, ports)):
+        argv = ["ssh", *SSH_OPTIONS, *ssh_args, *(["-p", str(port)] if port else []),
+                "--", node.host, remote_command(python, job, node_rank)]
+        launches.append(AgentLaunch((node_rank,), tuple(argv), node.host))
+    return launches
+
+
+def pdsh_launches(job: JobSpec, python: str, ports: Sequence[int | None],
+                  ssh_args: Sequence[str] = ()) -> list[AgentLaunch]:
+    """One pdsh for all nodes; pdsh puts each node's rank in its list where the command says %n."""
+    if not shutil.which("pdsh"):
+        raise LaunchError(
+            "--launcher pdsh: pdsh is not installed on this machine. Install it "
+            "(Debian/Ubuntu: apt-get install pdsh; RHEL: dnf install pdsh pdsh-rcmd-ssh), or use "
+            "--launcher ssh, which needs only the ssh client.")
+    distinct = set(ports)
+    if len(distinct) > 1:
+        raise LaunchError(
+            "--launcher pdsh: the hostfile gives different ssh ports per host, which pdsh cannot "
+            "pass per host. Put 'Port' lines under 'Host' entries in ~/.ssh/config, or use "
+            "--launcher ssh, which reads the ports from the hostfile.")
+    port = distinct.pop()
+    ssh = [*SSH_OPTIONS, *ssh_args, *(["-p", str(port)] if port else [])]
+    command = remote_command(python, job, "%n", "--spec_b64", job.to_b64(), "--watch", "stdout")
+    argv = ["pdsh", "-S", "-N", "-R", "ssh", "-f", str(max(32, len(job.nodes))),
+            "-w", ",".join(node.host for node in job.nodes), command]
+    return [AgentLaunch(tuple(range(len(job.nodes))), tuple(argv), "pdsh", spec_on_stdin=False,
+                        env={"PDSH_SSH_ARGS_APPEND": shlex.join(ssh)})]
+
+
+def resolve_ssh_host(host: str, port: int | None, ssh_args: Sequence[str] = ()) -> str:
+    """The address ssh really connects to for `host` (~/.ssh/config HostName), else `host`.
+
+    Used for the default master address: an ssh alias means nothing to the ranks' TCP store.
+    `ssh -G` only evaluates the configuration; it opens no connection.
+    """
+    argv = ["ssh", "-G", *ssh_args, *(["-p", str(port)] if port else []), "--", host]
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return host
+    for line in result.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "hostname" and value:
+            return value
+    return host
