@@ -22,7 +22,7 @@ from crew import __version__
 from crew.errors import CrewError, LaunchError, PlanError
 from crew.launcher import runners
 from crew.launcher.env import gather_env
-from crew.launcher.hostfile import Host, read_hostfile
+from crew.launcher.hostfile import Host, is_number, read_hostfile
 from crew.launcher.job import Console, JobRun
 from crew.launcher.plan import Plan, build_plan, is_local_name, select_hosts
 from crew.launcher.protocol import JobSpec, NodeSpec
@@ -112,6 +112,8 @@ def resolve(args: argparse.Namespace) -> Launch:
 
 
 def _this_machine(args: argparse.Namespace) -> Host:
+    if args.num_gpus is not None and args.num_gpus < 1:
+        raise PlanError(f"--num_gpus {args.num_gpus}: must be at least 1.")
     count = args.num_gpus or len(_local_devices()) or 1
     devices = _local_devices() or list(range(count))
     if count > len(devices):
@@ -124,7 +126,7 @@ def _local_devices() -> list[int]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         ids = [part.strip() for part in visible.split(",") if part.strip()]
-        return [int(i) for i in ids] if all(i.isdigit() for i in ids) else list(range(len(ids)))
+        return [int(i) for i in ids] if all(map(is_number, ids)) else list(range(len(ids)))
     found = (re.fullmatch(r"nvidia(\d+)", p.name) for p in Path("/dev").glob("nvidia*"))
     return sorted(int(m.group(1)) for m in found if m)
 

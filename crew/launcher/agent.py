@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import os
 import queue
 import re
@@ -26,13 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from crew.launcher.proc import die_with_parent, signal_group
 from crew.launcher.protocol import JobSpec, NodeSpec, encode_event
 
 STDERR_TAIL_LINES = 20
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel before giving up on a rank
+HEARTBEAT_S = 2.0
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _MAX_LINE = 1 << 20
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -144,14 +144,6 @@ def _master_port_problem(port: int, host: str) -> str | None:
     return None
 
 
-def _die_with_agent() -> None:
-    # If the agent itself is SIGKILLed (OOM killer), its ranks get SIGKILL too rather than run on.
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
 def spawn(job: JobSpec, node_rank: int) -> list[Rank]:
     node = job.nodes[node_rank]
     log_dir = Path(job.cwd, job.log_dir) if job.log_dir else None
@@ -164,12 +156,12 @@ def spawn(job: JobSpec, node_rank: int) -> list[Rank]:
                 rank_argv(job, local_rank), cwd=job.cwd,
                 env=rank_env(job, node_rank, local_rank, dict(os.environ)),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, preexec_fn=_die_with_agent)
+                start_new_session=True, preexec_fn=die_with_parent)
             log = open(log_dir / f"rank{rank}.log", "ab", buffering=0) if log_dir else None
             ranks.append(Rank(rank, local_rank, proc, log))
     except OSError:
         for started in ranks:
-            os.killpg(started.proc.pid, signal.SIGKILL)
+            signal_group(started.proc.pid, signal.SIGKILL)
         raise
     return ranks
 
@@ -194,14 +186,21 @@ def _emit(rank: Rank, line: bytes, fd_out: int, prefix: bytes, output: Output) -
     output.write(fd_out, prefix + line + b"\n", rank.log, line + b"\n")
 
 
-def watch_launcher(events: queue.Queue, watch_stdin: bool) -> None:
-    """Post a stop when the launcher's end closes: stdin EOF, or stdout hang-up (pdsh)."""
+def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool) -> None:
+    """Post a stop when the launcher's end closes: stdin EOF, or stdout hang-up (pdsh).
+
+    Without stdin (pdsh) a heartbeat line goes up every few seconds: if `crew run` is gone, the
+    write fails at pdsh, then at its ssh client, and the hang-up reaches this agent.
+    """
     poller = select.poll()
     if watch_stdin:
         poller.register(0, select.POLLIN)
     poller.register(1, 0)  # errors and hang-ups only
     while True:
-        for fd, mask in poller.poll():
+        ready = poller.poll(None if watch_stdin else HEARTBEAT_S * 1000)
+        if not ready:
+            output.event("alive")
+        for fd, mask in ready:
             if fd == 0 and os.read(0, 65536):
                 continue  # the launcher sends nothing after the spec; ignore stray bytes
             reason = "the launcher closed the connection" if fd == 0 else "the launcher is gone"
@@ -261,10 +260,7 @@ class Supervisor:
 
     def _signal_all(self, sig: signal.Signals) -> None:
         for rank in self.ranks:
-            try:
-                os.killpg(rank.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+            signal_group(rank.proc.pid, sig)
         if sig == signal.SIGKILL:
             self._killed = True
             self._deadline = time.monotonic() + KILL_WAIT_S
@@ -340,7 +336,7 @@ def _start_threads(ranks: list[Rank], node: NodeSpec, output: Output, events: qu
         pumps.append(start(pump, rank, rank.proc.stdout, 1, prefix, output))
         pumps.append(start(pump, rank, rank.proc.stderr, 2, prefix, output))
         start(lambda r: (r.proc.wait(), events.put(("exit", r))), rank)
-    start(watch_launcher, events, watch_stdin)
+    start(watch_launcher, events, output, watch_stdin)
     return pumps
 
 

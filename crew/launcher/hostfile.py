@@ -11,6 +11,7 @@ Every error names the file, the line and the fix.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,19 @@ KNOWN_KEYS = ("slots", "gpu")
 _HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _IPV6_WITH_PORT = re.compile(r"\[([0-9A-Fa-f:.%]+)\](?::(.*))?")
 _FORM = "'<host>[:<ssh port>] slots=<n> [gpu=<id>,<id>,...]'"
+
+
+def is_number(text: str | None) -> bool:
+    """ASCII digits only: str.isdigit() also accepts '²', which int() then rejects."""
+    return bool(text) and text.isascii() and text.isdigit()
+
+
+def is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -94,11 +108,15 @@ def _parse_address(token: str, where: str, line: str) -> tuple[str, int | None]:
             f"{where}: user names are not allowed in a hostfile ('{token}'). Put 'User <name>' "
             "under 'Host <host>' in ~/.ssh/config instead."
         )
-    ipv6 = _IPV6_WITH_PORT.fullmatch(token)
-    if ipv6:
-        return ipv6.group(1), _parse_port(ipv6.group(2), where, token)
-    if token.count(":") > 1:  # a bare IPv6 address, no port
+    bracketed = _IPV6_WITH_PORT.fullmatch(token)
+    if bracketed and is_ipv6(bracketed.group(1)):
+        return bracketed.group(1), _parse_port(bracketed.group(2), where, token)
+    if is_ipv6(token):  # a bare IPv6 address, no port
         return token, None
+    if token.count(":") > 1:
+        raise HostfileError(
+            f"{where}: '{token}' is not a valid host name, '<host>:<ssh port>' or IPv6 address. Write an "
+            "IPv6 address with a port as '[fe80::1]:2222'.")
     name, _, port = token.partition(":")
     if not _HOST_NAME.fullmatch(name):
         raise HostfileError(
@@ -111,7 +129,7 @@ def _parse_address(token: str, where: str, line: str) -> tuple[str, int | None]:
 def _parse_port(text: str | None, where: str, token: str) -> int | None:
     if text is None:
         return None
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    if not is_number(text) or not 1 <= int(text) <= 65535:
         raise HostfileError(
             f"{where}: ssh port '{text}' in '{token}' is not a port number (1-65535). "
             "Write '<host>:<ssh port>', e.g. '10.0.0.7:2222'."
@@ -138,7 +156,7 @@ def _parse_fields(fields: list[str], where: str, line: str) -> dict[str, str]:
 
 
 def _parse_slot_count(text: str, where: str) -> int:
-    if not text.isdigit() or int(text) == 0:
+    if not is_number(text) or int(text) == 0:
         raise HostfileError(
             f"{where}: slots={text} is not a positive whole number. Set slots to the number of "
             "processes (usually GPUs) to run on this host, e.g. slots=4."
@@ -148,7 +166,7 @@ def _parse_slot_count(text: str, where: str) -> int:
 
 def _parse_devices(text: str, count: int, where: str) -> tuple[int, ...]:
     ids = text.split(",")
-    if not all(part.isdigit() for part in ids):
+    if not all(is_number(part) for part in ids):
         raise HostfileError(
             f"{where}: gpu={text} must be device ids separated by commas, e.g. gpu=0,1."
         )

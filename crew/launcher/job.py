@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from crew.launcher.proc import die_with_parent, signal_tree
 from crew.launcher.protocol import JobSpec, decode_event
 from crew.launcher.runners import AgentLaunch
 
@@ -110,8 +111,10 @@ class JobRun:
     def _start(self, launch: AgentLaunch) -> None:
         env = {**os.environ, **launch.env} if launch.env else None
         # Own session: a Ctrl-C reaches only `crew run`, which then stops every node in order.
+        # Dies with `crew run`: pdsh would outlive it (it ignores SIGPIPE), keeping nodes busy.
         proc = subprocess.Popen(launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=env, start_new_session=True)
+                                stderr=subprocess.PIPE, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent)
         agent = Agent(launch, proc, time.monotonic())
         index = len(self.agents)
         self.agents.append(agent)
@@ -214,12 +217,12 @@ class JobRun:
                     agent.proc.stdin.close()
                 except OSError:
                     pass
-            else:  # pdsh: its agents watch their stdout, which ends with pdsh and its ssh clients
-                _signal_group(agent.proc, signal.SIGTERM)
+            else:  # pdsh: its agents watch their stdout, which ends with pdsh's ssh clients
+                signal_tree(agent.proc.pid, signal.SIGTERM)
 
     def _kill_agents(self) -> None:
         for agent in self.agents:
-            _signal_group(agent.proc, signal.SIGKILL)
+            signal_tree(agent.proc.pid, signal.SIGKILL)
         self._stop_deadline = None
 
     def _report_startup(self) -> None:
@@ -252,13 +255,6 @@ class JobRun:
         if self.interrupted is not None:
             return 128 + signal.Signals[self.interrupted].value
         return 0
-
-
-def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _exit_code(code: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from crew.errors import PlanError
-from crew.launcher.hostfile import Host
+from crew.launcher.hostfile import Host, is_number
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -74,7 +74,7 @@ def parse_filter(spec: str, flag: str, hosts: list[Host]) -> dict[str, tuple[int
     known = {host.name: host for host in hosts}
     chosen: dict[str, tuple[int, ...] | None] = {}
     for part in spec.split("@"):
-        name, colon, slot_text = part.partition(":")
+        name, colon, slot_text = _split_host_slots(part, known)
         if name not in known:
             raise PlanError(
                 f"{flag} {spec}: host '{name}' is not in the hostfile (hosts: "
@@ -96,9 +96,20 @@ def parse_filter(spec: str, flag: str, hosts: list[Host]) -> dict[str, tuple[int
     return chosen
 
 
+def _split_host_slots(part: str, known: dict[str, Host]) -> tuple[str, str, str]:
+    """'host:0,1' -> ('host', ':', '0,1'); IPv6 hosts are named whole or as '[fe80::1]:0,1'."""
+    if part in known:
+        return part, "", ""
+    if part.startswith("["):
+        name, bracket, rest = part[1:].partition("]")
+        if bracket:
+            return name, ":" if rest.startswith(":") else "", rest[1:]
+    return part.partition(":")
+
+
 def _parse_slot_list(text: str, flag: str, spec: str) -> tuple[int, ...]:
     parts = text.split(",")
-    if not all(part.isdigit() for part in parts):
+    if not all(is_number(part) for part in parts):
         raise PlanError(
             f"{flag} {spec}: '{text}' must be device ids separated by commas, e.g. "
             f"{flag} worker-1:0,2@worker-2."
@@ -153,7 +164,9 @@ def _first_devices(host: Host, num_gpus: int) -> Host:
 def check_master_addr(addr: str) -> str:
     """Reject 'host:port': the port after the colon is almost always the ssh port by mistake."""
     name, colon, port = addr.rpartition(":")
-    if colon and port.isdigit() and ":" not in name:
+    bracketed = name.startswith("[") and name.endswith("]")
+    if colon and is_number(port) and (":" not in name or bracketed):
+        name = name[1:-1] if bracketed else name
         raise PlanError(
             f"--master_addr {addr}: give the address alone, without ':{port}'. master_addr is where "
             f"rank 0 listens for the other ranks; its port is --master_port (default: a free port). "

@@ -1,0 +1,24 @@
+# Two entry points, each doing all of its own set-up on a fresh machine:
+#   make demo   virtual environment + crew, then train examples/train.py on 2 local ranks
+#   make test   the same environment + test extras (+ sshd and pdsh), then the test suite
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+
+.PHONY: demo test install
+
+install: $(VENV)/.installed
+
+# torch first, pinned: the CPU build; an unpinned resolve would fetch the CUDA one.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/crew run --num_gpus 2 examples/train.py --deepspeed --deepspeed_config examples/ds_config.json
+
+test: install
+	tools/system-deps.sh
+	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,106 @@
+"""Shared fixtures: run `crew` as a user would, loopback ssh nodes, and a leftover-process check."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sshnodes  # noqa: E402
+
+RUN_TIMEOUT_S = 120
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+    seconds: float
+
+
+def crew_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "crew", *args]
+
+
+def crew(*args: str, cwd: Path, env: dict | None = None, timeout: float = RUN_TIMEOUT_S) -> Result:
+    """Run `crew ARGS` in `cwd` and wait for it (the test fails on a hang instead of hanging)."""
+    started = time.monotonic()
+    proc = subprocess.run(crew_command(*args), cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
+
+
+def start_crew(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start `crew ARGS` in the background, as its own process group (so the test can signal it)."""
+    return subprocess.Popen(crew_command(*args), cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+                            start_new_session=True)
+
+
+def write_script(folder: Path, name: str, body: str) -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def processes_in(folder: Path) -> list[str]:
+    """Processes (pid and command line) whose working directory is `folder`: ranks, agents, ssh."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if os.readlink(entry / "cwd") == str(folder):
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found.append(f"{entry.name}: {cmdline}")
+        except OSError:
+            continue
+    return found
+
+
+def wait_until_gone(folder: Path, timeout: float = 10.0) -> list[str]:
+    """What is still running in `folder` once `timeout` has passed (empty: all gone in time)."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_in(folder)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def wait_for_file(path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def job_dir(tmp_path: Path):
+    """A working directory for one job; the test fails if anything is left running in it."""
+    folder = tmp_path / "job"
+    folder.mkdir()
+    yield folder
+    left = wait_until_gone(folder, timeout=15)
+    for line in left:
+        os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    assert not left, f"processes left running after the test: {left}"
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """Two ssh 'nodes': sshd on 127.0.0.2 and 127.0.0.3, one port, a throwaway key."""
+    reason = sshnodes.sshd_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    nodes = sshnodes.start_cluster(tmp_path_factory.mktemp("nodes"), 2)
+    yield nodes
+    nodes.stop()
