@@ -152,12 +152,12 @@ def spawn(job: JobSpec, node_rank: int) -> list[Rank]:
     ranks: list[Rank] = []
     try:
         for local_rank, rank in enumerate(node.ranks):
+            log = open(log_dir / f"rank{rank}.log", "ab", buffering=0) if log_dir else None
             proc = subprocess.Popen(
                 rank_argv(job, local_rank), cwd=job.cwd,
                 env=rank_env(job, node_rank, local_rank, dict(os.environ)),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, preexec_fn=die_with_parent)
-            log = open(log_dir / f"rank{rank}.log", "ab", buffering=0) if log_dir else None
             ranks.append(Rank(rank, local_rank, proc, log))
     except OSError:
         for started in ranks:
@@ -189,8 +189,8 @@ def _emit(rank: Rank, line: bytes, fd_out: int, prefix: bytes, output: Output) -
 def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool) -> None:
     """Post a stop when the launcher's end closes: stdin EOF, or stdout hang-up (pdsh).
 
-    Without stdin (pdsh) a heartbeat line goes up every few seconds: if `crew run` is gone, the
-    write fails at pdsh, then at its ssh client, and the hang-up reaches this agent.
+    Without stdin (pdsh) a heartbeat line goes up every few seconds: if `crew run` is gone (and
+    pdsh with it), the ssh client's write to pdsh fails, it exits, and the hang-up reaches here.
     """
     poller = select.poll()
     if watch_stdin:
@@ -200,7 +200,7 @@ def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool) -> No
         ready = poller.poll(None if watch_stdin else HEARTBEAT_S * 1000)
         if not ready:
             output.event("alive")
-        for fd, mask in ready:
+        for fd, _ in ready:
             if fd == 0 and os.read(0, 65536):
                 continue  # the launcher sends nothing after the spec; ignore stray bytes
             reason = "the launcher closed the connection" if fd == 0 else "the launcher is gone"

@@ -115,8 +115,8 @@ def _parse_address(token: str, where: str, line: str) -> tuple[str, int | None]:
         return token, None
     if token.count(":") > 1:
         raise HostfileError(
-            f"{where}: '{token}' is not a valid host name, '<host>:<ssh port>' or IPv6 address. Write an "
-            "IPv6 address with a port as '[fe80::1]:2222'.")
+            f"{where}: '{token}' is not a valid host name, '<host>:<ssh port>' or IPv6 address. "
+            "Write an IPv6 address with a port as '[fe80::1]:2222'.")
     name, _, port = token.partition(":")
     if not _HOST_NAME.fullmatch(name):
         raise HostfileError(

@@ -51,7 +51,7 @@ class JobSpec:
         return base64.b64encode(self.to_line().rstrip()).decode()
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "JobSpec":
+    def from_json(cls, text: str | bytes) -> JobSpec:
         data = json.loads(text)
         data["nodes"] = tuple(
             NodeSpec(n["host"], tuple(n["slots"]), tuple(n["ranks"])) for n in data["nodes"])
@@ -59,7 +59,7 @@ class JobSpec:
         return cls(**data)
 
     @classmethod
-    def from_b64(cls, text: str) -> "JobSpec":
+    def from_b64(cls, text: str) -> JobSpec:
         return cls.from_json(base64.b64decode(text))
 
 

@@ -60,7 +60,7 @@ def local_launches(job: JobSpec, python: str, node_rank: int = 0) -> list[AgentL
 def ssh_launches(job: JobSpec, python: str, ports: Sequence[int | None],
                  ssh_args: Sequence[str] = ()) -> list[AgentLaunch]:
     launches = []
-    for node_rank, (node, port) in enumerate(zip(job.nodes, ports)):
+    for node_rank, (node, port) in enumerate(zip(job.nodes, ports, strict=True)):
         argv = ["ssh", *SSH_OPTIONS, *ssh_args, *(["-p", str(port)] if port else []),
                 "--", node.host, remote_command(python, job, node_rank)]
         launches.append(AgentLaunch((node_rank,), tuple(argv), node.host))
