@@ -96,8 +96,8 @@ def resolve(args: argparse.Namespace) -> Launch:
     hosts = read_hostfile(args.hostfile) if args.hostfile else [_this_machine(args)]
     if args.num_nodes is not None and args.num_nodes > 1 and not args.hostfile:
         raise PlanError(f"--num_nodes {args.num_nodes} needs a --hostfile listing that many hosts.")
-    hosts = select_hosts(hosts, args.include, args.exclude, args.num_nodes,
-                         None if not args.hostfile else args.num_gpus)
+    per_host_gpus = args.num_gpus if args.hostfile else None  # else _this_machine applied it
+    hosts = select_hosts(hosts, args.include, args.exclude, args.num_nodes, per_host_gpus)
     if args.ssh_port:
         hosts = [h if h.ssh_port else Host(h.name, h.slots, args.ssh_port) for h in hosts]
     launcher = _choose_launcher(args, hosts)
@@ -112,10 +112,11 @@ def resolve(args: argparse.Namespace) -> Launch:
 
 
 def _this_machine(args: argparse.Namespace) -> Host:
+    """No hostfile: one node, this machine; its GPUs, or --num_gpus CPU processes."""
     if args.num_gpus is not None and args.num_gpus < 1:
         raise PlanError(f"--num_gpus {args.num_gpus}: must be at least 1.")
-    count = args.num_gpus or len(_local_devices()) or 1
-    devices = _local_devices() or list(range(count))
+    devices = _local_devices() or list(range(args.num_gpus or 1))
+    count = args.num_gpus or len(devices)
     if count > len(devices):
         raise PlanError(f"--num_gpus {count}: this machine has only {len(devices)} GPU(s) visible.")
     return Host(LOCAL_HOST, tuple(devices[:count]))
