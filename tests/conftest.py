@@ -18,6 +18,18 @@ import sshnodes  # noqa: E402
 
 RUN_TIMEOUT_S = 120
 
+# Sleeps in small steps so a test can signal it mid-run; fails with code 7 where FAIL_RANK says.
+STEPPER = """
+    import os, sys, time
+    rank = int(os.environ["RANK"])
+    open(f"started{rank}", "w").close()
+    for step in range(600):
+        if rank == int(os.environ.get("FAIL_RANK", -1)) and step == 3:
+            print("fatal: rank", rank, "gives up at step", step, file=sys.stderr)
+            sys.exit(7)
+        time.sleep(0.05)
+"""
+
 
 @dataclass
 class Result:

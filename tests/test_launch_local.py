@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import crew, start_crew, wait_for_file, wait_until_gone, write_script
+from conftest import STEPPER, crew, start_crew, wait_for_file, wait_until_gone, write_script
 
 ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
             "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "CREW_HOST"]
@@ -22,19 +22,6 @@ ENV_DUMP = f"""
     with open(f"rank{{os.environ['RANK']}}.json", "w") as f:
         json.dump(seen, f)
 """
-
-# Sleeps in small steps so a test can signal it mid-run; fails with code 7 where FAIL_RANK says.
-STEPPER = """
-    import os, sys, time
-    rank = int(os.environ["RANK"])
-    open(f"started{rank}", "w").close()
-    for step in range(600):
-        if rank == int(os.environ.get("FAIL_RANK", -1)) and step == 3:
-            print("fatal: rank", rank, "gives up at step", step, file=sys.stderr)
-            sys.exit(7)
-        time.sleep(0.05)
-"""
-
 
 def read_ranks(folder, world_size):
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import crew, start_crew, wait_for_file, wait_until_gone, write_script
+from conftest import STEPPER, crew, start_crew, wait_for_file, wait_until_gone, write_script
 from sshnodes import _keygen
 
 ALL_REDUCE = """
@@ -24,18 +24,6 @@ ALL_REDUCE = """
     json.dump(seen, open(f"rank{dist.get_rank()}.json", "w"))
     dist.destroy_process_group()
 """
-
-STEPPER = """
-    import os, sys, time
-    rank = int(os.environ["RANK"])
-    open(f"started{rank}", "w").close()
-    for step in range(600):
-        if rank == int(os.environ.get("FAIL_RANK", -1)) and step == 3:
-            print("fatal: rank", rank, "gives up", file=sys.stderr)
-            sys.exit(9)
-        time.sleep(0.05)
-"""
-
 
 def ssh_run(cluster, *args, **kwargs):
     return crew("run", "--ssh_args", cluster.ssh_args, *args, **kwargs)
@@ -103,10 +91,10 @@ def test_remote_failure_stops_every_node(cluster, job_dir):
     write_script(job_dir, "step.py", STEPPER)
     result = ssh_run(cluster, "-H", str(cluster.hostfile(slots=2)), "--env", "FAIL_RANK=3",
                      "step.py", cwd=job_dir)
-    assert result.code == 9
+    assert result.code == 7
     assert result.seconds < 15
-    assert "127.0.0.3 rank 3 (local 1) exited with code 9 (first failure)" in result.err
-    assert "fatal: rank 3 gives up" in result.err.split("first failure")[1]
+    assert "127.0.0.3 rank 3 (local 1) exited with code 7 (first failure)" in result.err
+    assert "fatal: rank 3 gives up at step 3" in result.err.split("first failure")[1]
 
 
 PDSH = pytest.mark.skipif(not shutil.which("pdsh"), reason="pdsh not installed (apt-get install pdsh)")
@@ -187,8 +175,8 @@ def test_pdsh_runner_failure_stops_every_node(cluster, job_dir):
     write_script(job_dir, "step.py", STEPPER)
     result = ssh_run(cluster, "--launcher", "pdsh", "-H", str(cluster.hostfile(slots=2)),
                      "--env", "FAIL_RANK=1", "step.py", cwd=job_dir)
-    assert result.code == 9
-    assert "127.0.0.2 rank 1 (local 1) exited with code 9 (first failure)" in result.err
+    assert result.code == 7
+    assert "127.0.0.2 rank 1 (local 1) exited with code 7 (first failure)" in result.err
 
 
 def test_standalone_nodes_started_by_hand(cluster, job_dir):
