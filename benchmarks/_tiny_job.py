@@ -11,6 +11,7 @@ Rank 0 prints two lines the harness parses:
 """
 
 import argparse
+import gc
 import os
 import time
 
@@ -47,6 +48,13 @@ def main() -> None:
     dist.all_reduce(total)
     if rank == 0:
         print(f"BENCH_DONE loss_sum={total.item():.4f}", flush=True)
+    # Tear down in order. Without this, about 1 run in 30 (seen under torchrun) had a rank abort
+    # after BENCH_DONE with "terminate called without an active exception", likely gloo state kept
+    # alive past destroy_process_group (DDP's reducer holds the group) and freed at interpreter
+    # shutdown. The barrier keeps one rank from closing connections the other still uses.
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

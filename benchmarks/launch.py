@@ -1,7 +1,7 @@
 """Launch overhead of `crew run` against torchrun (and deepspeed, when installed).
 
-What it measures, for a tiny 2-rank CPU job (benchmarks/_tiny_job.py: gloo, DDP Linear(64, 64), a few
-SGD steps, one all_reduce):
+What it measures, for a tiny 2-rank CPU job (benchmarks/_tiny_job.py: gloo, DDP Linear(64, 64), a
+few SGD steps, one all_reduce):
 
 * wall time: from just before the launcher process is started until it (all of them, for the
   per-node torchrun over ssh) has exited;
@@ -24,14 +24,17 @@ Cases:
   time runs until both ssh sessions have exited. deepspeed (when installed) goes through pdsh.
   Skipped, with the reason, when sshd or the ssh client is missing.
 
-Each measurement is repeated --repeat times (interleaved across launchers, so drift hits all of them
-alike); the table shows median and min. The target from the issue: crew's median wall time within
-1.5 s of torchrun's for the same job.
+Each launcher first gets --warmup unmeasured runs (default 1; page cache), then each measurement is
+repeated --repeat times (interleaved across launchers, so drift hits all of them alike); the table
+shows median and min over the successful runs. A failed run (non-zero exit, timeout, no first-step
+line) is printed with its stderr, left out of the statistics, counted in the table, and makes the
+script exit 1. The target from the issue: crew's median wall time within 1.5 s of torchrun's for
+the same job (the last lines print crew - torchrun per case).
 
 Run from the repository root:
 
     .venv/bin/python benchmarks/launch.py              # 3 repeats
-    .venv/bin/python benchmarks/launch.py --quick      # 1 repeat
+    .venv/bin/python benchmarks/launch.py --quick      # 1 run each, no warm-up
     .venv/bin/python benchmarks/launch.py --repeat 5 --json launch.json
 """
 
@@ -52,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,7 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 JOB = Path(__file__).resolve().parent / "_tiny_job.py"
 sys.path.insert(0, str(REPO / "tests"))
 
-import sshnodes  # noqa: E402  (tests/sshnodes.py)
+import sshnodes  # tests/sshnodes.py, importable once tests/ is on sys.path
 
 BIN = Path(sys.executable).parent  # the venv's bin/, not resolved: keeps the venv's scripts
 TARGET_S = 1.5
@@ -121,28 +125,35 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run_commands(argvs: list[list[str]], timeout: float, env: dict[str, str] | None = None) -> Run:
+@dataclass
+class Launch:
+    """What one measured run starts: argvs started together, and how to clean up after a timeout."""
+
+    argvs: list[list[str]]
+    env: dict[str, str] | None = None
+    cleanup: Callable[[], None] | None = None  # after a timeout: stop what runs out of our reach
+
+
+def run_commands(launch: Launch, timeout: float) -> Run:
     """Start all argvs at once; wall time until the last exits. Parses the job's BENCH_ lines."""
-    env = env if env is not None else clean_env()
+    env = launch.env if launch.env is not None else clean_env()
     start = time.time()
     t0 = time.perf_counter()
     procs = [subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              start_new_session=True) for argv in argvs]
+                              start_new_session=True) for argv in launch.argvs]
     outputs: list[tuple[str, str]] = []
-    timed_out = False
+    killed: set[int] = set()
     for proc in procs:
         remaining = max(0.1, timeout - (time.perf_counter() - t0))
         try:
             out, err = proc.communicate(timeout=remaining)
         except subprocess.TimeoutExpired:
-            timed_out = True
-            for p in procs:  # each launcher leads its own process group
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            if not killed:
+                killed = {p.pid for p in procs if p.poll() is None}
+                stop_trees([p for p in procs if p.pid in killed])
+                if launch.cleanup:
+                    launch.cleanup()
             out, err = proc.communicate()
         outputs.append((out.decode(errors="replace"), err.decode(errors="replace")))
     wall = time.perf_counter() - t0
@@ -151,9 +162,10 @@ def run_commands(argvs: list[list[str]], timeout: float, env: dict[str, str] | N
     first = FIRST_STEP_RE.search(text)
     threads = THREADS_RE.search(text)
     failures = []
-    for argv, proc, (out, err) in zip(argvs, procs, outputs):
-        if timed_out or proc.returncode != 0:
-            why = f"timed out after {timeout:.0f} s" if timed_out else f"exit code {proc.returncode}"
+    for argv, proc, (out, err) in zip(launch.argvs, procs, outputs):
+        if proc.pid in killed or proc.returncode != 0:
+            why = (f"timed out after {timeout:.0f} s, stopped" if proc.pid in killed
+                   else f"exit code {proc.returncode}")
             failures.append(f"$ {shlex.join(argv)}\n  -> {why}\n--- stderr ---\n{err.rstrip()}\n"
                             f"--- stdout (tail) ---\n{_tail(out)}")
     if not failures and not first:
@@ -163,6 +175,58 @@ def run_commands(argvs: list[list[str]], timeout: float, env: dict[str, str] | N
                threads=int(threads.group(1)) if threads else None,
                omp=threads.group(2) if threads else None,
                error="\n".join(failures))
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) for every process /proc shows."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        table[int(entry)] = (int(fields[1]), fields[19])  # ppid, starttime
+    return table
+
+
+def stop_trees(procs: list[subprocess.Popen], grace: float = 10) -> None:
+    """Stop launchers that ran out of time, and everything they started on this machine.
+
+    Both launchers start their ranks in new sessions, so the launcher's process group does not
+    reach them: the descendants are looked up by parent pid before anything is signalled, asked to
+    stop with SIGTERM (the launcher gets it first, to stop its ranks), and SIGKILLed after `grace`
+    seconds if still there (same pid and start time, so never a reused pid).
+    """
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    tree: list[tuple[int, str]] = []
+    todo = [p.pid for p in procs]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            tree.append((pid, table[pid][1]))
+            todo.extend(children.get(pid, []))
+    for pid, _ in tree:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    now = _process_table()
+    for pid, started in reversed(tree):
+        if pid in now and now[pid][1] == started:
+            _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _tail(text: str, lines: int = 40) -> str:
@@ -198,35 +262,54 @@ def deepspeed_cmd() -> list[str] | None:
     return [found] if found else None
 
 
-def local_commands(launcher: str) -> list[list[str]]:
+def local_launch(launcher: str) -> Launch:
     job = str(JOB)
     if launcher == "crew":
-        return [[*tool("crew", "crew"), "run", "--num_gpus", "2", job]]
+        return Launch([[*tool("crew", "crew"), "run", "--num_gpus", "2", job]])
     if launcher == "torchrun":
-        return [[*tool("torchrun", "torch.distributed.run"), "--nproc_per_node", "2",
-                 "--master_addr", "127.0.0.1", "--master_port", str(free_port()), job]]
+        return Launch([[*tool("torchrun", "torch.distributed.run"), "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), job]])
     if launcher == "deepspeed":
-        return [[*deepspeed_cmd(), "--num_gpus", "2", "--master_port", str(free_port()), job]]
+        return Launch([[*deepspeed_cmd(), "--num_gpus", "2", "--master_port", str(free_port()),
+                        job]])
     raise ValueError(launcher)
 
 
-def ssh_commands(launcher: str, cluster: sshnodes.Cluster) -> tuple[list[list[str]], dict | None]:
+def ssh_launch(launcher: str, cluster: sshnodes.Cluster) -> Launch:
     job = str(JOB)
+    ssh = ["ssh", *SSH_OPTIONS, "-F", str(cluster.config)]
     if launcher == "crew":
         hostfile = cluster.hostfile(slots=1)
-        return [[*tool("crew", "crew"), "run", "-H", str(hostfile), "--ssh_args", cluster.ssh_args,
-                 job]], None
+        return Launch([[*tool("crew", "crew"), "run", "-H", str(hostfile),
+                        "--ssh_args", cluster.ssh_args, job]])
     if launcher == "torchrun":
+        # One torchrun per node, all started at once. Each writes its pid (the shell's, which exec
+        # hands to torchrun) so that a timed-out run can be stopped on the node: killing the local
+        # ssh client does not stop a command without a terminal on the remote side.
         master = cluster.addresses[0]
         port = sshnodes.free_port_on([master])
-        argvs = []
+        argvs, pidfiles = [], []
         for node_rank, address in enumerate(cluster.addresses):
-            remote = (f"cd {shlex.quote(str(REPO))} && exec {shlex.quote(sys.executable)} -m "
-                      f"torch.distributed.run --nnodes {len(cluster.addresses)} --nproc_per_node 1 "
-                      f"--node_rank {node_rank} --master_addr {master} --master_port {port} "
-                      f"{shlex.quote(job)}")
-            argvs.append(["ssh", *SSH_OPTIONS, "-F", str(cluster.config), address, remote])
-        return argvs, None
+            pidfile = cluster.root / f"torchrun_{address}.pid"
+            pidfile.unlink(missing_ok=True)
+            pidfiles.append(pidfile)
+            remote = (f"cd {shlex.quote(str(REPO))} && echo $$ > {shlex.quote(str(pidfile))} && "
+                      f"exec {shlex.quote(sys.executable)} -m torch.distributed.run "
+                      f"--nnodes {len(cluster.addresses)} --nproc_per_node 1 "
+                      f"--node_rank {node_rank} "
+                      f"--master_addr {master} --master_port {port} {shlex.quote(job)}")
+            argvs.append([*ssh, address, remote])
+
+        def cleanup() -> None:
+            for address, pidfile in zip(cluster.addresses, pidfiles):
+                pid = shlex.quote(str(pidfile))
+                # TERM torchrun (it stops its ranks), then KILL it and its children by parent pid.
+                remote = (f"test -s {pid} || exit 0; p=$(cat {pid}); kill -TERM $p 2>/dev/null; "
+                          f"for i in 1 2 3 4 5 6 7 8 9 10; do kill -0 $p 2>/dev/null || exit 0; "
+                          f"sleep 0.5; done; pkill -KILL -P $p; kill -KILL $p 2>/dev/null; true")
+                subprocess.run([*ssh, address, remote], stdin=subprocess.DEVNULL,
+                               capture_output=True, timeout=60, check=False)
+        return Launch(argvs, cleanup=cleanup)
     if launcher == "deepspeed":
         # deepspeed's multi-node runner is pdsh by default; its hostfile takes no ssh port.
         hostfile = cluster.root / "hostfile.deepspeed"
@@ -234,9 +317,9 @@ def ssh_commands(launcher: str, cluster: sshnodes.Cluster) -> tuple[list[list[st
         env = clean_env()
         env["PDSH_SSH_ARGS_APPEND"] = f"{cluster.ssh_args} {' '.join(SSH_OPTIONS)}"
         env["PDSH_RCMD_TYPE"] = "ssh"
-        return [[*deepspeed_cmd(), "-H", str(hostfile), "--ssh_port", str(cluster.port),
-                 "--master_addr", cluster.addresses[0], "--master_port",
-                 str(sshnodes.free_port_on([cluster.addresses[0]])), job]], env
+        return Launch([[*deepspeed_cmd(), "-H", str(hostfile), "--ssh_port", str(cluster.port),
+                        "--master_addr", cluster.addresses[0], "--master_port",
+                        str(sshnodes.free_port_on([cluster.addresses[0]])), job]], env)
     raise ValueError(launcher)
 
 
@@ -244,13 +327,23 @@ def ssh_commands(launcher: str, cluster: sshnodes.Cluster) -> tuple[list[list[st
 # the benchmark
 
 
-def measure(cases: list[Case], commands, repeat: int, timeout: float) -> None:
+def measure(cases: list[Case], launch: Callable[[str], Launch], repeat: int, timeout: float,
+            warmup: int) -> None:
+    for i in range(warmup):  # unmeasured: loads each launcher's modules into the page cache
+        for case in cases:
+            if case.skipped:
+                continue
+            run = run_commands(launch(case.launcher), timeout)
+            print(f"  [{case.case} {case.launcher} warm-up] "
+                  + (f"wall {run.wall_s:6.2f} s (not counted)" if run.ok else
+                     f"FAILED after {run.wall_s:.2f} s (not counted)"), flush=True)
+            if not run.ok:
+                print(_indent(run.error), flush=True)
     for i in range(repeat):
         for case in cases:
             if case.skipped:
                 continue
-            argvs, env = commands(case.launcher)
-            run = run_commands(argvs, timeout, env)
+            run = run_commands(launch(case.launcher), timeout)
             case.runs.append(run)
             status = (f"wall {run.wall_s:6.2f} s, first step {run.first_step_s:6.2f} s, "
                       f"threads {run.threads} (OMP_NUM_THREADS={run.omp})" if run.ok
@@ -301,7 +394,8 @@ def deltas(summaries: list[dict], ssh_skip: str | None) -> tuple[list[str], dict
     lines, result = [], {}
     for case in ("local", "ssh"):
         by = {s["launcher"]: s for s in summaries if s["case"] == case}
-        crew, torch_ = by.get("crew", {}).get("wall_median_s"), by.get("torchrun", {}).get("wall_median_s")
+        crew = by.get("crew", {}).get("wall_median_s")
+        torch_ = by.get("torchrun", {}).get("wall_median_s")
         label = f"crew - torchrun wall ({case}):"
         if case == "ssh" and ssh_skip:
             lines.append(f"{label} skipped ({ssh_skip})")
@@ -318,7 +412,7 @@ def deltas(summaries: list[dict], ssh_skip: str | None) -> tuple[list[str], dict
 
 
 def warm_up(timeout: float) -> None:
-    """Load torch once so the first measured run does not pay for a cold page cache."""
+    """Load torch once, so that not even the first (warm-up) launch pays for a cold page cache."""
     subprocess.run([sys.executable, "-c", "import torch.distributed, torch.nn.parallel"],
                    cwd=REPO, env=clean_env(), timeout=timeout, check=False)
 
@@ -327,17 +421,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (default 3)")
-    parser.add_argument("--quick", action="store_true", help="one run per measurement")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="unmeasured runs per launcher before the measured ones (default 1)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one run per measurement, no warm-up run")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds before one launch is killed and counted as failed (default 120)")
+                        help="seconds before one launch is stopped and counted as failed "
+                             "(default 120)")
     args = parser.parse_args(argv)
     repeat = 1 if args.quick else max(1, args.repeat)
+    warmup = 0 if args.quick else max(0, args.warmup)
 
     import torch  # only for the version line; the job itself runs in the launched processes
 
-    print(f"launch benchmark: tiny 2-rank gloo job ({JOB.relative_to(REPO)}), {repeat} run(s) each, "
-          f"timeout {args.timeout:.0f} s")
+    print(f"launch benchmark: tiny 2-rank gloo job ({JOB.relative_to(REPO)}), {repeat} measured "
+          f"run(s) each after {warmup} warm-up run(s), timeout {args.timeout:.0f} s per launch")
     print(f"python {platform.python_version()}, torch {torch.__version__}, "
           f"{len(os.sched_getaffinity(0))} CPU core(s), OMP_NUM_THREADS in caller's env: "
           f"{os.environ.get('OMP_NUM_THREADS', 'unset')} (removed for the launches)")
@@ -345,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("local:", flush=True)
     local = new_cases("local")
-    measure(local, lambda launcher: (local_commands(launcher), None), repeat, args.timeout)
+    measure(local, local_launch, repeat, args.timeout, warmup)
 
     ssh = new_cases("ssh")
     ssh_skip = sshnodes.sshd_missing_reason()
@@ -363,8 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                 ssh = []
             else:
                 try:
-                    measure(ssh, lambda launcher: ssh_commands(launcher, cluster), repeat,
-                            args.timeout)
+                    measure(ssh, lambda launcher: ssh_launch(launcher, cluster), repeat,
+                            args.timeout, warmup)
                 finally:
                     cluster.stop()
 
@@ -378,10 +477,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         out = {
-            "repeat": repeat, "timeout_s": args.timeout, "target_s": TARGET_S,
+            "repeat": repeat, "warmup": warmup, "timeout_s": args.timeout, "target_s": TARGET_S,
             "python": platform.python_version(), "torch": torch.__version__,
             "cpu_cores": len(os.sched_getaffinity(0)), "ssh_skipped": ssh_skip,
-            "results": [{**c.summary(), "samples": [asdict(r) for r in c.runs]} for c in local + ssh],
+            "results": [{**c.summary(), "samples": [asdict(r) for r in c.runs]}
+                        for c in local + ssh],
             "crew_minus_torchrun_wall": delta_result,
         }
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
