@@ -157,3 +157,10 @@ def test_bad_env_flag(flag):
     message = str(info.value)
     assert f"--env {flag}" in message
     assert "--env KEY=VALUE" in message
+
+
+def test_unreadable_env_file_is_a_clear_error(tmp_path):
+    path = tmp_path / ".deepspeed_env"
+    path.write_bytes(b"A=\xff\xfe\n")
+    with pytest.raises(CrewError, match=r"\.deepspeed_env cannot be read"):
+        read_env_file(path)

@@ -34,8 +34,12 @@ def gather_env(environ: Mapping[str, str], home: Path, cwd: Path,
 
 def read_env_file(path: Path) -> dict[str, str]:
     """KEY=VALUE lines; blank lines, '#' comments and a leading 'export ' are allowed."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CrewError(f"{path} cannot be read ({exc}). Fix its permissions or remove it.") from None
     env = {}
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+    for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
