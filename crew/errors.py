@@ -19,3 +19,7 @@ class PlanError(CrewError):
 
 class LaunchError(CrewError):
     """A runner cannot start the job (pdsh missing, ssh refused, working directory absent, ...)."""
+
+
+class ConfigError(CrewError, ValueError):
+    """A DeepSpeed config that crew cannot use; names the key(s) and values that would work."""
