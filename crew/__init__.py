@@ -1,9 +1,31 @@
 """crew: train PyTorch models on many processes across many machines, DeepSpeed-compatible.
 
-`import crew` stays light (no torch) so that the command line starts fast; the training API arrives
-with the engine.
+    import crew as deepspeed
+    engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model, ...)
+
+The training API loads on first use, so that `import crew` (and the `crew` command line) does not
+import torch.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["ConfigError", "__version__", "add_config_arguments", "comm", "init_distributed",
+           "initialize"]
+
+_LAZY = {
+    "initialize": ("crew.api", "initialize"),
+    "add_config_arguments": ("crew.api", "add_config_arguments"),
+    "init_distributed": ("crew.comm", "init_distributed"),
+    "comm": ("crew.comm", None),
+    "ConfigError": ("crew.errors", "ConfigError"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'crew' has no attribute '{name}'")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return module if attribute is None else getattr(module, attribute)

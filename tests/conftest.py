@@ -95,6 +95,20 @@ def wait_for_file(path: Path, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.fixture(autouse=True)
+def _isolated_process_state():
+    """Each test starts and ends with the same environment and no process group."""
+    saved = dict(os.environ)
+    yield
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def job_dir(tmp_path: Path):
     """A working directory for one job; the test fails if anything is left running in it."""

@@ -1,0 +1,107 @@
+"""The process group: join it from the launcher's environment, and DeepSpeed's `deepspeed.comm` calls.
+
+Works under `crew run`, torchrun, DeepSpeed's launcher (all set RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, LOCAL_RANK), and as a single process with no launcher at all (a world of one).
+The collectives also work before/without a process group, as the identity on a world of one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from crew.errors import CrewError
+from crew.log import log_rank0
+
+ReduceOp = dist.ReduceOp
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: datetime.timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config=None, rank: int = -1,
+                     world_size: int = -1) -> None:
+    """Join the default process group (DeepSpeed's signature); a no-op when already joined."""
+    if dist.is_initialized() or dist_init_required is False:
+        return
+    if rank >= 0:
+        os.environ["RANK"] = str(rank)
+    if world_size > 0:
+        os.environ["WORLD_SIZE"] = str(world_size)
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(get_local_rank())
+    if not _launched():
+        # Plain `python train.py`: a world of one, in memory; no port, no environment changes.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
+    if verbose:
+        log_rank0("initializing %s process group: rank %s of %s, master %s:%s", backend,
+                  os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"],
+                  os.environ["MASTER_PORT"])
+    dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+
+
+def _launched() -> bool:
+    """Whether a launcher (crew, torchrun, DeepSpeed's) set the rendezvous variables."""
+    present = [name for name in _LAUNCHER_VARS if name in os.environ]
+    if present and len(present) < len(_LAUNCHER_VARS):
+        missing = [name for name in _LAUNCHER_VARS if name not in os.environ]
+        raise CrewError(
+            f"the environment sets {', '.join(present)} but not {', '.join(missing)}: start the "
+            "script with `crew run` (or torchrun), or unset them to run as a single process.")
+    return bool(present)
+
+
+def is_initialized() -> bool:
+    return dist.is_initialized()
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def get_world_size(group=None) -> int:
+    if dist.is_initialized():
+        return dist.get_world_size(group)
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group)
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    if dist.is_initialized():
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return None
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    if dist.is_initialized():
+        return dist.broadcast(tensor, src, group=group, async_op=async_op)
+    return None
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
+               async_op: bool = False):
+    if dist.is_initialized():
+        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    tensor_list[0].copy_(tensor)
+    return None
+
+
+def destroy_process_group(group=None) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group(group)

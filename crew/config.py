@@ -1,0 +1,452 @@
+"""DeepSpeed JSON config -> typed, resolved models.
+
+`Config.from_dict(d, world_size=N)` validates a DeepSpeed config dict and resolves the batch triple
+the way DeepSpeed 0.19 does (`DeepSpeedConfig._set_batch_related_parameters` and `_batch_assertion`
+in deepspeed/runtime/config.py): any one or two of `train_batch_size`,
+`train_micro_batch_size_per_gpu` and `gradient_accumulation_steps` may be omitted; with only one
+of the first two given, gradient accumulation defaults to 1; with neither given it is an error.
+Unlike DeepSpeed, an inconsistent triple is a `ConfigError` that says which values would agree.
+
+`"auto"` counts as omitted for the batch keys: Hugging Face integrations write "auto" and fill it in
+before DeepSpeed sees the config. Elsewhere crew drops an "auto" it cannot fill, keeps DeepSpeed's
+default and warns.
+
+Types are strict where a DeepSpeed user would want an error: "16" is not 16 and "yes" is not true.
+Unknown keys warn (with "did you mean"); DeepSpeed keys crew does not act on are accepted quietly
+and listed by `ignored_keys(config)` for the engine to log once. The user's dict is never mutated;
+`Config.raw` is a deep copy of it. Files are strict JSON (DeepSpeed also reads hjson comments).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from crew.errors import ConfigError
+
+__all__ = ["BF16Config", "BatchSizeError", "Config", "ConfigWarning", "FP16Config", "OptimizerConfig",
+           "SchedulerConfig", "ZeroConfig", "ignored_keys", "load_config", "resolve_batch_sizes"]
+
+logger = logging.getLogger(__name__)
+
+_SECTION = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class ConfigWarning(UserWarning):
+    """A config key crew does not know (probably a typo), or a value crew replaced with a default."""
+
+
+class BatchSizeError(ConfigError):
+    """The batch keys cannot be resolved. `suggestions`: key updates that would resolve (None = remove)."""
+
+    def __init__(self, message: str, suggestions: list[dict[str, int | None]]):
+        super().__init__(message)
+        self.suggestions = suggestions
+
+
+class OptimizerConfig(BaseModel):
+    model_config = _SECTION
+    type: str = Field(description="Optimizer name as DeepSpeed spells it ('Adam', 'AdamW', 'SGD', ...).")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the optimizer.")
+
+
+class SchedulerConfig(BaseModel):
+    model_config = _SECTION
+    type: str = Field(description="LR scheduler name as DeepSpeed spells it ('WarmupLR', 'WarmupDecayLR', ...).")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the scheduler.")
+
+
+class FP16Config(BaseModel):
+    """Defaults from DeepSpeed's DeepSpeedFP16Config (deepspeed/runtime/precision_config.py)."""
+
+    model_config = _SECTION
+    enabled: bool = Field(False, description="Train in fp16 with loss scaling.")
+    auto_cast: bool = Field(False, description="Cast floating-point inputs to fp16.")
+    loss_scale: float = Field(0, ge=0, allow_inf_nan=False, description="Static loss scale; 0 = dynamic.")
+    initial_scale_power: int = Field(16, ge=0, description="Dynamic scaling starts at 2**initial_scale_power.")
+    loss_scale_window: int = Field(1000, ge=1, description="Overflow-free steps before the scale grows.")
+    hysteresis: int = Field(2, ge=1, description="Overflows tolerated before the scale shrinks.")
+    consecutive_hysteresis: bool = Field(False, description="Refill hysteresis after a step without overflow.")
+    min_loss_scale: float = Field(1, gt=0, allow_inf_nan=False, description="Floor for the dynamic scale.")
+
+
+class BF16Config(BaseModel):
+    model_config = _SECTION
+    enabled: bool = Field(False, description="Train in bf16 (no loss scaling). Legacy section name: 'bfloat16'.")
+
+
+class ZeroConfig(BaseModel):
+    """Only `stage` is typed; other DeepSpeed ZeRO keys are kept in `model_extra`."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+    stage: int = Field(0, ge=0, le=3, description="0 off, 1 optimizer state, 2 +gradients, 3 +parameters.")
+
+
+class Config(BaseModel):
+    """A DeepSpeed config with the batch triple resolved for `world_size` data-parallel ranks."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    train_batch_size: int = Field(gt=0, description="Samples per optimizer step, over all ranks.")
+    train_micro_batch_size_per_gpu: int = Field(gt=0, description="Samples per rank per forward/backward.")
+    gradient_accumulation_steps: int = Field(gt=0, description="Micro batches per optimizer step.")
+    # DeepSpeed 0.19 defaults to None (never print); crew keeps 10, the documented DeepSpeed default.
+    steps_per_print: int = Field(10, ge=1, description="Log progress every N optimizer steps.")
+    gradient_clipping: float = Field(1.0, ge=0, allow_inf_nan=False, description="Max grad norm; 0 = off.")
+    prescale_gradients: bool = Field(False, description="Scale gradients before the all-reduce.")
+    gradient_predivide_factor: float = Field(1.0, gt=0, description="Divide gradients by this before reducing.")
+    wall_clock_breakdown: bool = Field(False, description="Time forward/backward/step.")
+    dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch.")
+    optimizer: OptimizerConfig | None = Field(None, description="Optimizer to build; None = client's own.")
+    scheduler: SchedulerConfig | None = Field(None, description="LR scheduler to build; None = client's own.")
+    fp16: FP16Config = Field(default_factory=FP16Config, description="fp16 mixed precision.")
+    bf16: BF16Config = Field(default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"),
+                             description="bf16 mixed precision.")
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO sharding.")
+    world_size: int = Field(gt=0, description="Data-parallel ranks the batch triple was resolved for.")
+    source: str = Field(description="Where the config came from (a path or '<dict>'), for messages.")
+    raw: dict[str, Any] = Field(description="Deep copy of the user's dict, as given.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
+        product = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.world_size
+        if self.train_batch_size != product:
+            raise ValueError(f"train_batch_size {self.train_batch_size} != {product} "
+                             "(micro batch x grad accum x world size)")
+        return self
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], world_size: int, source: str = "<dict>") -> Config:
+        """Validate `data` (not modified) and resolve the batch triple; raises ConfigError."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: a config must be a JSON object (dict), got {type(data).__name__}.")
+        if type(world_size) is not int or world_size < 1:
+            raise ConfigError(f"{source}: world_size must be a positive integer, got {world_size!r}.")
+        raw = copy.deepcopy(dict(data))
+        work = _normalise_legacy(copy.deepcopy(raw), source)
+        _warn_unknown(work, source)
+        auto = _drop_auto(work, source)
+        given = _validate(_BatchKeys, {k: work.get(k) for k in _BATCH_KEYS}, source)
+        batch = resolve_batch_sizes(given.train_batch_size, given.train_micro_batch_size_per_gpu,
+                                    given.gradient_accumulation_steps, world_size, source, auto)
+        work.update(zip(_BATCH_KEYS, batch))
+        fields = {k: v for k, v in work.items() if k in _TOP_KEYS}
+        return _validate(cls, {**fields, "world_size": world_size, "source": source, "raw": raw}, source)
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class _BatchKeys(BaseModel):
+    model_config = _SECTION
+    train_batch_size: int | None = Field(None, gt=0)
+    train_micro_batch_size_per_gpu: int | None = Field(None, gt=0)
+    gradient_accumulation_steps: int | None = Field(None, gt=0)
+
+
+# Known keys, per level: (what crew implements, what only DeepSpeed reads). The second set is accepted
+# without a warning and reported by ignored_keys(); move a key across when crew starts using it.
+_TOP_KEYS = frozenset(Config.model_fields) - {"world_size", "source", "raw"} | {"bfloat16"}
+_DEEPSPEED_ONLY = frozenset({
+    "activation_checkpointing", "aio", "allgather_size", "amp", "autotuning", "checkpoint", "comet",
+    "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
+    "curriculum_learning", "data_efficiency", "data_parallel_size", "data_types", "datastates_ckpt",
+    "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
+    "flops_profiler", "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level",
+    "managed_gradient_accumulation", "memory_breakdown", "nebula", "pipeline", "progressive_layer_drop",
+    "quantize_training", "seq_parallel_communication_data_type", "sequence_parallel_size",
+    "sparse_attention", "sparse_gradients", "tensor_parallel", "tensorboard", "timers", "torch_autocast",
+    "trackio", "use_data_before_expert_parallelism", "vocabulary_size", "wandb", "weight_quantization",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"})
+_ZERO_DEEPSPEED_ONLY = frozenset({
+    "allgather_bucket_size", "allgather_partitions", "contiguous_gradients", "cpu_offload",
+    "cpu_offload_param", "cpu_offload_use_pin_memory", "elastic_checkpoint", "enable_sanity_checks",
+    "gather_16bit_weights_on_model_save", "ignore_unused_parameters", "leaf_module", "legacy_stage1",
+    "load_from_fp32_weights", "log_trace_cache_warnings", "max_live_parameters", "max_reuse_distance",
+    "memory_efficient_linear", "mics_hierarchical_params_gather", "mics_shard_size",
+    "model_persistence_threshold", "module_granularity_threshold", "offload_optimizer", "offload_param",
+    "overlap_comm", "param_persistence_threshold", "partition_stream_chunk_size",
+    "pipeline_loading_checkpoint", "prefetch_bucket_size", "reduce_bucket_size", "reduce_scatter",
+    "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage3_allgather_sequential",
+    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
+    "stage3_module_granularity_threshold", "stage3_param_persistence_threshold",
+    "stage3_partition_stream_chunk_size", "stage3_prefetch_bucket_size",
+    "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
+    "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights", "zero_quantized_weights", "zeropp_loco_param"})
+_BF16_KEYS = (frozenset(BF16Config.model_fields), frozenset({
+    "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow", "check_overflow",
+    "immediate_grad_update"}))
+_SECTIONS = {
+    "fp16": (frozenset(FP16Config.model_fields), frozenset({"fp16_master_weights_and_grads", "fused_mode"})),
+    "bf16": _BF16_KEYS,
+    "bfloat16": _BF16_KEYS,
+    "zero_optimization": (frozenset({"stage"}), _ZERO_DEEPSPEED_ONLY),
+    "optimizer": (frozenset({"type", "params"}), frozenset({"legacy_fusion"})),
+    "scheduler": (frozenset({"type", "params"}), frozenset()),
+}
+
+
+def _warn(message: str) -> None:
+    logger.warning(message)
+    frame, level = sys._getframe(0), 1  # point the warning at the first caller outside this module
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, ConfigWarning, stacklevel=level)
+
+
+def _normalise_legacy(work: dict[str, Any], source: str) -> dict[str, Any]:
+    """Old DeepSpeed spellings: `"zero_optimization": true` (stage 1) and `bfloat16` beside `bf16`."""
+    if isinstance(work.get("zero_optimization"), bool):
+        stage = int(work["zero_optimization"])
+        _warn(f"{source}: \"zero_optimization\": {json.dumps(work['zero_optimization'])} is deprecated; "
+              f"crew reads it as {{\"stage\": {stage}}} like DeepSpeed. Write that instead.")
+        work["zero_optimization"] = {"stage": stage}
+    if "bf16" in work and "bfloat16" in work:
+        _warn(f"{source}: both 'bf16' and its legacy name 'bfloat16' are given; crew uses 'bf16' "
+              "like DeepSpeed. Remove 'bfloat16'.")
+    return work
+
+
+def _levels(data: Mapping[str, Any]):
+    """(section dict, key prefix, keys crew implements, keys only DeepSpeed reads) for each known level."""
+    yield data, "", _TOP_KEYS, _DEEPSPEED_ONLY
+    for name, (implemented, deepspeed_only) in _SECTIONS.items():
+        if isinstance(data.get(name), Mapping):
+            yield data[name], f"{name}.", implemented, deepspeed_only
+
+
+def _warn_unknown(work: Mapping[str, Any], source: str) -> None:
+    for section, prefix, implemented, deepspeed_only in _levels(work):
+        known = implemented | deepspeed_only
+        for key in section:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f"; did you mean '{prefix}{close[0]}'?" if close else " (not a DeepSpeed key crew knows)."
+                _warn(f"{source}: unknown key '{prefix}{key}' is ignored{hint}")
+
+
+def _drop_auto(work: dict[str, Any], source: str) -> list[str]:
+    """Remove "auto" values from the keys crew implements; return the batch keys that were "auto"."""
+    auto_batch = [key for key in _BATCH_KEYS if work.get(key) == "auto"]
+    for section, prefix, implemented, _ in list(_levels(work)):
+        for key in [k for k in section if k in implemented and section[k] == "auto"]:
+            del section[key]
+            if prefix or key not in _BATCH_KEYS:
+                _warn(f"{source}: {prefix}{key} is \"auto\", which only a Hugging Face integration fills "
+                      "in; crew uses DeepSpeed's default. Set a value to silence this.")
+    return auto_batch
+
+
+def ignored_keys(config: Config) -> list[str]:
+    """Dotted DeepSpeed keys in `config` that crew accepts but does not act on, in the user's order.
+
+    The engine logs them once: "accepted, has no effect in crew: activation_checkpointing, ...".
+    """
+    found = ["bfloat16"] if "bf16" in config.raw and "bfloat16" in config.raw else []
+    for section, prefix, _, deepspeed_only in _levels(config.raw):
+        found += [f"{prefix}{key}" for key in section if key in deepspeed_only]
+    return found
+
+
+def resolve_batch_sizes(train_batch_size: int | None, micro_batch: int | None, grad_accum: int | None,
+                        world_size: int, source: str = "<dict>",
+                        auto: list[str] | None = None) -> tuple[int, int, int]:
+    """DeepSpeed's batch rules -> (train_batch_size, micro batch per rank, grad accum steps).
+
+    None means omitted. Raises BatchSizeError naming the values that would agree.
+    """
+    if train_batch_size is None and micro_batch is None:
+        raise _neither_given(grad_accum, world_size, source, auto or [])
+    if micro_batch is None:
+        steps = 1 if grad_accum is None else grad_accum
+        _require_multiple(train_batch_size, steps * world_size, "train_micro_batch_size_per_gpu",
+                          f"grad accum {steps}{'' if grad_accum else ' (default)'} x world size {world_size}",
+                          source)
+        return train_batch_size, train_batch_size // (steps * world_size), steps
+    if train_batch_size is None:
+        steps = 1 if grad_accum is None else grad_accum
+        return micro_batch * steps * world_size, micro_batch, steps
+    if grad_accum is None:
+        _require_multiple(train_batch_size, micro_batch * world_size, "gradient_accumulation_steps",
+                          f"micro batch {micro_batch} x world size {world_size}", source)
+        return train_batch_size, micro_batch, train_batch_size // (micro_batch * world_size)
+    if train_batch_size != micro_batch * grad_accum * world_size:
+        raise _mismatch(train_batch_size, micro_batch, grad_accum, world_size, source)
+    return train_batch_size, micro_batch, grad_accum
+
+
+def _neither_given(grad_accum: int | None, world_size: int, source: str, auto: list[str]) -> BatchSizeError:
+    steps = grad_accum or 1
+    alone = f" (gradient_accumulation_steps {grad_accum} alone is not enough)" if grad_accum else ""
+    auto_note = f" \"auto\" counts as not given ({', '.join(auto)})." if auto else ""
+    return BatchSizeError(
+        f"{source}: neither train_batch_size nor train_micro_batch_size_per_gpu is given{alone}.{auto_note} "
+        f"Set one, e.g. \"train_micro_batch_size_per_gpu\": 1, which gives train_batch_size "
+        f"{steps * world_size} at world size {world_size}.",
+        [{"train_micro_batch_size_per_gpu": 1}])
+
+
+def _require_multiple(total: int, unit: int, derived: str, unit_text: str, source: str) -> None:
+    if total % unit == 0:
+        return
+    lower, upper = total // unit * unit, (total // unit + 1) * unit
+    options = [n for n in (lower, upper) if n > 0]
+    values = " or ".join(str(n) for n in options)
+    per = " or ".join(str(n // unit) for n in options)
+    raise BatchSizeError(
+        f"{source}: train_batch_size {total} is not a positive multiple of {unit_text} = {unit}, so "
+        f"{derived} cannot be derived ({total} / {unit} is not a whole number >= 1). "
+        f"Set train_batch_size to {values} ({derived} {per}).",
+        [{"train_batch_size": n} for n in options])
+
+
+def _mismatch(total: int, micro: int, steps: int, world_size: int, source: str) -> BatchSizeError:
+    product = micro * steps * world_size
+    suggestions: list[dict[str, int | None]] = [{"train_batch_size": product}, {"train_batch_size": None}]
+    keep = ""
+    if total % (micro * world_size) == 0:
+        keep = (f" Or keep {total} and set gradient_accumulation_steps to {total // (micro * world_size)}.")
+        suggestions.append({"gradient_accumulation_steps": total // (micro * world_size)})
+    return BatchSizeError(
+        f"{source}: train_batch_size {total} != micro batch {micro} x grad accum {steps} x world size "
+        f"{world_size} = {product}. Set it to {product} or remove it and crew will derive it.{keep}",
+        suggestions)
+
+
+# --- pydantic errors -> one ConfigError line per problem -------------------------------------------
+
+_EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+             "string_type": "a string", "dict_type": "an object {...}", "model_type": "an object {...}",
+             "finite_number": "a finite number"}
+_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
+           "less_than_equal": ("le", "<=")}
+
+
+def _validate(model: type[BaseModel], data: dict[str, Any], source: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(_describe(error) for error in err.errors())
+        raise ConfigError(f"{source}: {problems}.") from None
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    key = ".".join(str(part) for part in error["loc"])
+    kind, value = error["type"], error.get("input")
+    shown = json.dumps(value, default=repr)
+    if kind == "missing":
+        return f"{key} is required but missing"
+    if kind in _EXPECTED:
+        return f"{key} {shown}: expected {_EXPECTED[kind]}, got {_json_type(value)}{_hint(value, kind)}"
+    if kind in _BOUNDS:
+        name, op = _BOUNDS[kind]
+        return f"{key} {shown} is out of range: it must be {op} {error['ctx'][name]}"
+    if kind == "value_error":
+        return str(error["ctx"]["error"])
+    return f"{key} {shown}: {error['msg']}"
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _hint(value: Any, kind: str) -> str:
+    """How to write the value the way the key wants it, when that is obvious."""
+    if isinstance(value, float) and value.is_integer() and kind == "int_type":
+        return f" (write {int(value)})"
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value.strip().lower())
+        except ValueError:
+            return ""
+        fits = {"int_type": int, "float_type": (int, float), "bool_type": bool}.get(kind)
+        if fits and isinstance(parsed, fits) and (kind == "bool_type") == isinstance(parsed, bool):
+            return f" (write {json.dumps(parsed)} without quotes)"
+    return ""
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+
+def load_config(config: str | os.PathLike | Mapping[str, Any] | Config | None = None, world_size: int = 1,
+                args: Any = None, config_params: Mapping[str, Any] | None = None) -> Config:
+    """Pick the config the way deepspeed.initialize does, load it and resolve it for `world_size`.
+
+    `config` (path or dict), else `config_params`, else `args.deepspeed_config` (or the legacy
+    `args.deepscale_config`). A config given both ways is an error, as in DeepSpeed.
+    """
+    argument = "config" if config is not None else "config_params"
+    chosen = config if config is not None else config_params
+    from_args = _config_from_args(args)
+    if from_args is not None and chosen is not None:
+        raise ConfigError(
+            f"got two configs: --deepspeed_config {from_args} (args.deepspeed_config) and {argument}= "
+            f"passed to initialize(). Drop one: remove --deepspeed_config from the command line or "
+            f"the {argument}= argument.")
+    chosen = from_args if chosen is None else chosen
+    if chosen is None:
+        raise ConfigError(
+            "no DeepSpeed config given. Pass --deepspeed_config ds.json on the command line (add the flag "
+            "with crew.add_config_arguments(parser)) or config=<path or dict> to crew.initialize().")
+    if isinstance(chosen, Config):
+        return chosen if chosen.world_size == world_size else Config.from_dict(chosen.raw, world_size,
+                                                                               chosen.source)
+    if isinstance(chosen, Mapping):
+        return Config.from_dict(chosen, world_size)
+    if isinstance(chosen, (str, os.PathLike)):
+        return Config.from_dict(_read_json(Path(chosen)), world_size, source=str(chosen))
+    raise ConfigError(f"{argument} must be a path or a dict, got {type(chosen).__name__}.")
+
+
+def _config_from_args(args: Any) -> str | None:
+    legacy = getattr(args, "deepscale_config", None)
+    current = getattr(args, "deepspeed_config", None)
+    if legacy is None:
+        return current
+    if current is not None:
+        raise ConfigError(f"got both --deepscale_config {legacy} and --deepspeed_config {current}; "
+                          "drop --deepscale_config (its old name).")
+    _warn("--deepscale_config is deprecated; use --deepspeed_config.")
+    return legacy
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file (looked for {path.absolute()}). "
+                          "Check the --deepspeed_config or config= path.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read the config file: {err}.") from None
+    try:
+        data = json.loads(text, object_pairs_hook=lambda pairs: _no_duplicates(pairs, path))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}, line {err.lineno}, column {err.colno}: invalid JSON: {err.msg}.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object {{...}}, got {_json_type(data)}.")
+    return data
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]], path: Path) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ConfigError(f"{path}: key '{key}' appears twice in one object (DeepSpeed refuses this "
+                              "too); keep one.")
+        seen[key] = value
+    return seen

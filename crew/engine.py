@@ -1,0 +1,204 @@
+"""Engine: sequences a DeepSpeed training step and delegates every concern to a module of its own.
+
+    loss = engine(batch)        forward (gradient sync armed only on the accumulation boundary)
+    engine.backward(loss)       loss / gradient_accumulation_steps, scaled for fp16
+    engine.step()               boundary only: unscale, clip, optimizer and scheduler step, zero,
+                                count; every other micro step just counts
+
+Gradients are averaged across ranks by DistributedDataParallel's bucketed all-reduce, which runs
+during the boundary micro step's backward; non-boundary micro steps skip it (DDP `no_sync`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from crew import comm
+from crew.config import Config
+from crew.errors import ConfigError
+from crew.log import log_rank0
+from crew.optim import build_optimizer, build_scheduler
+from crew.precision import Precision, make_precision
+
+
+class Engine(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, config: Config, optimizer=None,
+                 model_parameters=None, lr_scheduler=None):
+        super().__init__()
+        self.config = config
+        self.global_rank = comm.get_rank()
+        self.local_rank = comm.get_local_rank()
+        self.world_size = comm.get_world_size()
+        self.device = _device(self.local_rank)
+        self.precision: Precision = make_precision(config.fp16, config.bf16)
+        self.precision.cast_module(model)
+        self.module = model.to(self.device)
+        self._ddp = self._wrap(model)
+        self.optimizer = self._optimizer(optimizer, model_parameters)
+        self.lr_scheduler = self._scheduler(lr_scheduler)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self._loss_sum: torch.Tensor | None = None
+        self._last_print = (time.perf_counter(), 0)
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def _wrap(self, model: torch.nn.Module) -> DistributedDataParallel | None:
+        if self.world_size == 1:
+            return None
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)  # also broadcasts rank 0's weights
+
+    def _optimizer(self, client, model_parameters) -> torch.optim.Optimizer:
+        section = self.config.optimizer
+        if client is not None and section is not None:
+            raise ConfigError(
+                f"{self.config.source}: an optimizer is given both to initialize(optimizer=...) and "
+                "in the config's 'optimizer' section. Keep one of them.")
+        groups = _param_groups(model_parameters, self.module)
+        if isinstance(client, torch.optim.Optimizer):
+            params = _flat(client.param_groups)
+            masters = self.precision.master_params(params)
+            if any(m is not p for m, p in zip(masters, params, strict=True)):
+                _rebind(client, masters)
+            return client
+        masters = _with_master_params(groups, self.precision)
+        if callable(client):
+            return client(masters)
+        if section is None:
+            raise ConfigError(
+                f"{self.config.source}: no optimizer. Add an 'optimizer' section (e.g. "
+                '{"type": "AdamW", "params": {"lr": 1e-3}}) or pass initialize(optimizer=...).')
+        return build_optimizer(section.type, section.params, masters)
+
+    def _scheduler(self, client):
+        if client is not None:
+            return client(self.optimizer) if callable(client) and not hasattr(client, "step") \
+                else client
+        section = self.config.scheduler
+        return build_scheduler(section.type, section.params, self.optimizer) if section else None
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        with self.precision.guard():  # an op with no fp16/bf16 kernel: a clear error, not deep
+            if self._ddp is None:
+                return self.module(*args, **kwargs)
+            # DDP's no_sync, across two calls: arm the all-reduce only for the boundary's backward.
+            self._ddp.require_backward_grad_sync = self.is_gradient_accumulation_boundary()
+            return self._ddp(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        if scale_wrt_gas:
+            loss = loss / self.gradient_accumulation_steps()
+        detached = loss.detach()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        with self.precision.guard():
+            self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        overflow = self.precision.unscale_grads()
+        if not overflow:
+            if self.config.gradient_clipping > 0:
+                params = _flat(self.optimizer.param_groups)
+                torch.nn.utils.clip_grad_norm_(params, self.config.gradient_clipping)
+            self.optimizer.step()
+            self.precision.copy_master_to_model()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.precision.update_scale(overflow)
+        self.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        if self.global_steps % self.config.steps_per_print == 0:
+            self._print_progress()
+        self._loss_sum = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.precision.zero_model_grads()
+
+    def _print_progress(self) -> None:
+        now, samples = time.perf_counter(), self.global_samples
+        then, before = self._last_print
+        self._last_print = (now, samples)
+        loss = self._loss_sum.item() if self._loss_sum is not None else float("nan")
+        lrs = ", ".join(f"{lr:.3g}" for lr in self.get_lr())
+        skipped = f", skipped {self.precision.skipped_steps}" if self.precision.skipped_steps else ""
+        log_rank0("step %d: loss %.4f (rank 0), lr [%s], %.1f samples/s%s", self.global_steps,
+                  loss, lrs, (samples - before) / max(now - then, 1e-9), skipped)
+
+    # -- DeepSpeed's accessors ----------------------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.precision.skipped_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.loss_scale
+
+    def log_batch_math(self, batches_per_epoch: int | None) -> None:
+        line = (f"micro {self.train_micro_batch_size_per_gpu()} × accumulation "
+                f"{self.gradient_accumulation_steps()} × {self.world_size} ranks = "
+                f"{self.train_batch_size()} per step")
+        if batches_per_epoch is not None:
+            line += f"; {batches_per_epoch // self.gradient_accumulation_steps()} steps per epoch"
+        log_rank0("%s", line)
+
+
+def _device(local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _param_groups(model_parameters, module: torch.nn.Module) -> list[dict]:
+    """initialize(model_parameters=...) as param groups: tensors, or dicts with 'params'."""
+    items = list(model_parameters) if model_parameters is not None else list(module.parameters())
+    if items and isinstance(items[0], dict):
+        return [dict(group, params=list(group["params"])) for group in items]
+    return [{"params": items}]
+
+
+def _with_master_params(groups: list[dict], precision: Precision) -> list[dict]:
+    """The same groups over the tensors the optimizer steps (fp32 masters under fp16/bf16)."""
+    return [dict(group, params=precision.master_params(group["params"])) for group in groups]
+
+
+def _flat(groups: Iterable[dict]) -> list[torch.Tensor]:
+    return [param for group in groups for param in group["params"]]
+
+
+def _rebind(optimizer: torch.optim.Optimizer, masters: list[torch.nn.Parameter]) -> None:
+    """Point a client optimizer built on the model's fp16/bf16 params at the fp32 masters."""
+    it = iter(masters)
+    for group in optimizer.param_groups:
+        group["params"] = [next(it) for _ in group["params"]]
+    optimizer.state.clear()
+

@@ -1,0 +1,189 @@
+"""The engine's step, in real gloo processes: equivalence with one big batch, accumulation, sync."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dist import run_ranks
+
+STEPS = 4
+GLOBAL_BATCH = 16
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def make_data(steps: int = STEPS):
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(steps * GLOBAL_BATCH, 8, generator=generator)
+    return inputs, inputs.sum(dim=1, keepdim=True) ** 2
+
+
+def config(micro: int, accumulation: int, clipping: float, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
+            "gradient_clipping": clipping, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}, **extra}
+
+
+def train_with_engine(rank: int, ds_config: dict, steps: int = STEPS) -> dict:
+    """Each global step takes the next 16 rows; rank r's micro batch m is its slice of them."""
+    import crew
+
+    engine, _, _, _ = crew.initialize(model=make_model(), config=ds_config)
+    inputs, targets = make_data(steps)
+    micro, world = engine.train_micro_batch_size_per_gpu(), engine.world_size
+    for step in range(steps):
+        for m in range(engine.gradient_accumulation_steps()):
+            start = step * GLOBAL_BATCH + (m * world + rank) * micro
+            rows = slice(start, start + micro)
+            loss = torch.nn.functional.mse_loss(engine(inputs[rows]), targets[rows])
+            engine.backward(loss)
+            engine.step()
+    return {"params": copy.deepcopy(engine.module.state_dict()), "steps": engine.global_steps,
+            "samples": engine.global_samples, "lr": engine.get_lr()}
+
+
+def train_plain_torch(clipping: float, steps: int = STEPS) -> dict:
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    inputs, targets = make_data(steps)
+    for step in range(steps):
+        rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        torch.nn.functional.mse_loss(model(inputs[rows]), targets[rows]).backward()
+        if clipping > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clipping)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def assert_same_params(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("clipping", [0.0, 0.5])
+def test_two_ranks_with_accumulation_equal_one_big_batch(clipping):
+    expected = train_plain_torch(clipping)
+    ranks = run_ranks(train_with_engine, 2, config(4, 2, clipping))
+    for result in ranks:
+        assert_same_params(result["params"], expected)
+        assert result["steps"] == STEPS
+        assert result["samples"] == STEPS * GLOBAL_BATCH
+
+
+def test_clipping_changes_the_result():
+    """Guards the test above: with these data the clipped and unclipped runs must differ."""
+    clipped, unclipped = train_plain_torch(0.5), train_plain_torch(0.0)
+    assert not torch.allclose(clipped["0.weight"], unclipped["0.weight"])
+
+
+def test_single_process_engine_equals_plain_torch():
+    result = train_with_engine(0, config(16, 1, 0.5))
+    assert_same_params(result["params"], train_plain_torch(0.5))
+
+
+def check_accumulation_boundary(rank: int) -> dict:
+    import crew
+
+    engine, optimizer, _, _ = crew.initialize(model=make_model(), config=config(4, 2, 0.0))
+    first = next(engine.module.parameters())
+    before = first.detach().clone()
+    inputs, targets = make_data()
+    seen = {}
+    for micro_step in range(2):
+        rows = slice(rank * 4 + micro_step * 8, rank * 4 + micro_step * 8 + 4)
+        seen[f"boundary{micro_step}"] = engine.is_gradient_accumulation_boundary()
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs[rows]), targets[rows]))
+        grad = first.grad.detach().clone()
+        gathered = [torch.zeros_like(grad) for _ in range(2)]
+        torch.distributed.all_gather(gathered, grad)
+        seen[f"grads_equal{micro_step}"] = torch.equal(gathered[0], gathered[1])
+        engine.step()
+        seen[f"changed{micro_step}"] = not torch.equal(first.detach(), before)
+        seen[f"global_steps{micro_step}"] = engine.global_steps
+    seen["grad_cleared"] = first.grad is None
+    return seen
+
+
+def test_no_sync_and_no_step_until_the_accumulation_boundary():
+    for seen in run_ranks(check_accumulation_boundary, 2):
+        assert seen == {
+            "boundary0": False, "grads_equal0": False, "changed0": False, "global_steps0": 0,
+            "boundary1": True, "grads_equal1": True, "changed1": True, "global_steps1": 1,
+            "grad_cleared": True}
+
+
+def test_config_scheduler_steps_once_per_optimizer_step():
+    schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                "warmup_num_steps": 4, "warmup_type": "linear"}}
+    import crew
+
+    engine, _, _, scheduler = crew.initialize(
+        model=make_model(), config=config(4, 2, 0.0, scheduler=schedule))
+    assert scheduler is engine.lr_scheduler is not None
+    lrs = []
+    inputs, targets = make_data()
+    for micro_step in range(8):
+        rows = slice(micro_step * 4, micro_step * 4 + 4)
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs[rows]), targets[rows]))
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    # the lr moves on each boundary (odd micro steps) and holds through the next micro step
+    assert lrs[2::2] == lrs[1:-1:2]
+    assert lrs[1::2] == sorted(lrs[1::2]) and lrs[-1] > lrs[1]
+
+
+def test_client_optimizer_and_callable_and_conflicts():
+    import crew
+
+    model = make_model()
+    mine = torch.optim.SGD(model.parameters(), lr=0.1)
+    no_optimizer = {"train_batch_size": 4}
+    engine, optimizer, _, _ = crew.initialize(model=model, optimizer=mine, config=no_optimizer)
+    assert optimizer is mine
+    engine, optimizer, _, _ = crew.initialize(
+        model=make_model(), optimizer=lambda params: torch.optim.SGD(params, lr=0.2),
+        config=no_optimizer)
+    assert isinstance(optimizer, torch.optim.SGD) and engine.get_lr() == [0.2]
+    with pytest.raises(crew.ConfigError, match="both to initialize"):
+        crew.initialize(model=make_model(), optimizer=mine, config=config(4, 1, 0.0))
+    with pytest.raises(crew.ConfigError, match="no optimizer"):
+        crew.initialize(model=make_model(), config=no_optimizer)
+
+
+def test_progress_line_and_batch_math_are_logged(capsys):
+    import crew
+
+    data = torch.utils.data.TensorDataset(*make_data())
+    engine, _, loader, _ = crew.initialize(
+        model=make_model(), training_data=data, config=config(4, 2, 0.0, steps_per_print=2))
+    for inputs, targets in loader:
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+        engine.step()
+    out = capsys.readouterr().out
+    assert "micro 4 × accumulation 2 × 1 ranks = 8 per step; 8 steps per epoch" in out
+    assert "step 2: loss " in out and "lr [0.01]" in out and "samples/s" in out
+    assert "step 3:" not in out  # every steps_per_print steps only
+    assert engine.global_steps == 8
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale():
+    import crew
+
+    fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    engine, _, _, _ = crew.initialize(model=make_model(), config=config(4, 1, 0.0, fp16=fp16))
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    inputs, targets = make_data()
+    loss = torch.nn.functional.mse_loss(engine(inputs[:4].half()).float(), targets[:4])
+    engine.backward(loss * float("inf"))
+    engine.step()
+    assert engine.skipped_steps == 1 and engine.loss_scale == 2.0 ** 7
+    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    assert engine.global_steps == 1
