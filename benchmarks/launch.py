@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 JOB = Path(__file__).resolve().parent / "_tiny_job.py"
 sys.path.insert(0, str(REPO / "tests"))
 
-import sshnodes  # tests/sshnodes.py, importable once tests/ is on sys.path
+import sshnodes  # noqa: E402  (tests/sshnodes.py, importable once tests/ is on sys.path)
 
 BIN = Path(sys.executable).parent  # the venv's bin/, not resolved: keeps the venv's scripts
 TARGET_S = 1.5
@@ -329,7 +329,7 @@ def ssh_launch(launcher: str, cluster: sshnodes.Cluster) -> Launch:
 
 def measure(cases: list[Case], launch: Callable[[str], Launch], repeat: int, timeout: float,
             warmup: int) -> None:
-    for i in range(warmup):  # unmeasured: loads each launcher's modules into the page cache
+    for _ in range(warmup):  # unmeasured: loads each launcher's modules into the page cache
         for case in cases:
             if case.skipped:
                 continue
