@@ -187,3 +187,21 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     assert engine.skipped_steps == 1 and engine.loss_scale == 2.0 ** 7
     assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
     assert engine.global_steps == 1
+
+
+def test_bf16_trains_with_fp32_master_weights():
+    import crew
+
+    engine, optimizer, _, _ = crew.initialize(
+        model=make_model(), config=config(16, 1, 1.0, bf16={"enabled": True}))
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
+    inputs, targets = make_data(steps=40)
+    losses = []
+    for step in range(40):
+        rows = slice(step * 16, step * 16 + 16)
+        loss = torch.nn.functional.mse_loss(engine(inputs[rows].bfloat16()).float(), targets[rows])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
