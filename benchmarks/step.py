@@ -1,11 +1,13 @@
 """Steady-state training step time: crew's engine vs plain torch DDP (vs DeepSpeed when installed).
 
-Each mode trains the same MLP (~17M parameters, ~100 ms a step here) on the same synthetic batches
-on 2 CPU ranks (gloo), with AdamW, gradient clipping 1.0 and no accumulation, and times every
-optimizer step on rank 0. The table shows the median over steps 20-120 (warm-up excluded) and the
-ratio to plain DDP. Each mode runs in its own `crew run` job, so the launcher is the same for all.
+Each mode trains the same MLP (~17M parameters) on the same synthetic batches on 2 CPU ranks
+(gloo), with AdamW, gradient clipping 1.0 and no accumulation, and times every optimizer step on
+rank 0. crew's engine and plain DDP run in the same job, each rank alternating one crew step and one
+DDP step on two copies of the model: a 2-core machine drifts by 10% from run to run, and
+alternating makes the drift hit both alike. DeepSpeed (when installed) runs in a job of its own.
+The table pools steps 20-120 (warm-up excluded) of --repeat jobs: median and ratio to plain DDP.
 
-    .venv/bin/python benchmarks/step.py             # 120 steps per mode
+    .venv/bin/python benchmarks/step.py             # 3 runs x 120 steps per mode
     .venv/bin/python benchmarks/step.py --steps 60  # quicker, median over steps 20-60
 """
 
@@ -45,50 +47,64 @@ def batches(rank: int, steps: int):
         yield inputs, inputs.mean(dim=1, keepdim=True)
 
 
-def run_plain_ddp(steps: int) -> list[float]:
-    import torch
-    import torch.distributed as dist
+def ds_config() -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+            "gradient_clipping": CLIP, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
 
-    dist.init_process_group("gloo")
+
+def engine_step(module_name: str):
+    """One training step through crew's (or DeepSpeed's) engine; joins the process group."""
+    import torch
+
+    deepspeed = importlib.import_module(module_name)
+    model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config())
+
+    def step(inputs, targets):
+        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
+        engine.step()
+    return step
+
+
+def ddp_step():
+    """The same step in plain torch: DDP, clip_grad_norm_, AdamW, zero_grad."""
+    import torch
+
     model = torch.nn.parallel.DistributedDataParallel(make_model())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    times = []
-    for inputs, targets in batches(dist.get_rank(), steps):
-        started = time.perf_counter()
+
+    def step(inputs, targets):
         torch.nn.functional.mse_loss(model(inputs), targets).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - started)
-    return times
+    return step
 
 
-def run_engine(module_name: str, steps: int) -> list[float]:
-    import torch
-
-    deepspeed = importlib.import_module(module_name)
-    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
-              "gradient_clipping": CLIP, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
-    model = make_model()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=config)
-    times = []
-    for inputs, targets in batches(engine.global_rank, steps):
-        started = time.perf_counter()
-        engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
-        engine.step()
-        times.append(time.perf_counter() - started)
+def timed_steps(steppers: dict, steps: int) -> dict[str, list[float]]:
+    """Alternate the steppers step by step, so that machine drift hits each of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for inputs, targets in batches(int(os.environ.get("RANK", 0)), steps):
+        for name, step in steppers.items():
+            started = time.perf_counter()
+            step(inputs, targets)
+            times[name].append(time.perf_counter() - started)
     return times
 
 
 def worker(mode: str, steps: int, out: str) -> None:
-    times = run_plain_ddp(steps) if mode == "ddp" else run_engine(mode, steps)
+    if mode == "crew":  # crew's engine and plain DDP side by side in one job
+        crew = engine_step("crew")  # first: it joins the process group that DDP then uses
+        times = timed_steps({"ddp": ddp_step(), "crew": crew}, steps)
+    else:
+        times = timed_steps({mode: engine_step(mode)}, steps)
     if int(os.environ.get("RANK", 0)) == 0:
         Path(out).write_text(json.dumps(times))
 
 
-def launch(mode: str, steps: int) -> list[float] | str:
+def launch(mode: str, steps: int) -> dict[str, list[float]] | str:
     crew = Path(sys.executable).parent / "crew"
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "times.json"
@@ -103,30 +119,43 @@ def launch(mode: str, steps: int) -> list[float] | str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per mode, alternating modes")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.steps, args.out)
-    modes = ["ddp", "crew"]
-    if importlib.util.find_spec("deepspeed"):
-        modes.append("deepspeed")
-    medians: dict[str, float] = {}
+    jobs = ["crew"] + (["deepspeed"] if importlib.util.find_spec("deepspeed") else [])
+    runs: dict[str, list[list[float]]] = {mode: [] for mode in ["ddp", *jobs]}
+    failures: dict[str, str] = {}
+    for _ in range(args.repeat):
+        for job in jobs:
+            result = launch(job, args.steps)
+            if isinstance(result, str):
+                failures[job] = result
+                continue
+            for mode, times in result.items():
+                runs[mode].append(times[FIRST_TIMED_STEP:])
+    print_table(runs, failures, args)
+
+
+def print_table(runs: dict[str, list[list[float]]], failures: dict[str, str], args) -> None:
     print(f"model: {DEPTH} x Linear({WIDTH}, {WIDTH}) + head, micro batch {MICRO_BATCH}, "
-          f"2 CPU ranks (gloo), AdamW, clip {CLIP}; median of steps {FIRST_TIMED_STEP}-{args.steps}")
-    print(f"{'mode':<10} | {'median ms':>9} | {'min ms':>7} | {'vs DDP':>7}")
-    print("-" * 10 + "-+-" + "-" * 9 + "-+-" + "-" * 7 + "-+-" + "-" * 7)
-    for mode in modes:
-        times = launch(mode, args.steps)
-        if isinstance(times, str):
-            print(f"{mode:<10} | {times}")
+          f"2 CPU ranks (gloo), AdamW, clip {CLIP}; steps {FIRST_TIMED_STEP}-{args.steps} of "
+          f"{args.repeat} run(s) per mode")
+    print(f"{'mode':<10} | {'median ms':>9} | {'run medians ms':>20} | {'vs DDP':>7}")
+    print("-" * 10 + "-+-" + "-" * 9 + "-+-" + "-" * 20 + "-+-" + "-" * 7)
+    medians = {}
+    for mode, mode_runs in runs.items():
+        if not mode_runs:
+            print(f"{mode:<10} | {failures.get(mode, 'no run')}")
             continue
-        steady = times[FIRST_TIMED_STEP:]
-        medians[mode] = statistics.median(steady)
+        medians[mode] = statistics.median(t for run in mode_runs for t in run)
+        per_run = ", ".join(f"{statistics.median(run) * 1e3:.0f}" for run in mode_runs)
         ratio = medians[mode] / medians["ddp"] if "ddp" in medians else float("nan")
-        print(f"{mode:<10} | {medians[mode] * 1e3:9.1f} | {min(steady) * 1e3:7.1f} | {ratio:7.3f}")
-    if "deepspeed" not in modes:
+        print(f"{mode:<10} | {medians[mode] * 1e3:9.1f} | {per_run:>20} | {ratio:7.3f}")
+    if "deepspeed" not in runs:
         print(f"{'deepspeed':<10} | not installed")
     if "crew" in medians and "ddp" in medians:
         print(f"crew / DDP step time: {medians['crew'] / medians['ddp']:.3f} (target <= 1.05)")
