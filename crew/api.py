@@ -8,8 +8,10 @@ from crew import comm
 from crew.config import ignored_keys, load_config
 from crew.data import DataLoader
 from crew.engine import Engine
-from crew.errors import CrewError
+from crew.errors import CrewError, install_excepthook
 from crew.log import log_rank0
+
+install_excepthook()
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,

@@ -4,6 +4,9 @@ Every message says what is wrong, where (file:line, flag, config key) and how to
 line prints it without a traceback.
 """
 
+import sys
+import traceback
+
 
 class CrewError(Exception):
     """A problem the user can fix; the message says what, where and how."""
@@ -23,3 +26,21 @@ class LaunchError(CrewError):
 
 class ConfigError(CrewError, ValueError):
     """A DeepSpeed config that crew cannot use; names the key(s) and values that would work."""
+
+
+def install_excepthook() -> None:
+    """An uncaught CrewError prints as one message plus where the user's code called crew,
+    not as a traceback through crew's insides. Every other exception keeps the usual hook."""
+    previous = sys.excepthook
+    if getattr(previous, "crew", False):
+        return
+
+    def hook(kind, error, tb):
+        if not isinstance(error, CrewError):
+            return previous(kind, error, tb)
+        frames = [f for f in traceback.extract_tb(tb) if "/crew/" not in f.filename]
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        print(f"crew: error{where}: {error}", file=sys.stderr)
+
+    hook.crew = True
+    sys.excepthook = hook

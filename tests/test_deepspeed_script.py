@@ -59,3 +59,14 @@ def test_a_failing_step_is_reported_by_crew_run(job_dir):
     assert run.code == 1
     assert "exited with code 1 (first failure)" in run.err
     assert "RuntimeError: failing on purpose at step 3" in run.err
+
+
+def test_a_bad_config_is_one_clear_line_per_rank_not_a_traceback(job_dir):
+    (job_dir / "bad.json").write_text(json.dumps({
+        "train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW"}}))
+    run = crew("run", "--num_gpus", "2", SCRIPT, "--deepspeed_config", "bad.json", cwd=job_dir)
+    assert run.code == 1
+    assert f"crew: error (at {SCRIPT}:" in run.err
+    assert "bad.json: train_batch_size 30" in run.err and "Set train_batch_size to 24 or 32" in run.err
+    assert "Traceback" not in run.err
