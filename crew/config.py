@@ -85,6 +85,14 @@ class BF16Config(BaseModel):
     enabled: bool = Field(False, description="Train in bf16 (no loss scaling). Legacy section name: 'bfloat16'.")
 
 
+class CheckpointConfig(BaseModel):
+    """DeepSpeed's `checkpoint` section plus crew's own `keep_last`."""
+
+    model_config = _SECTION
+    keep_last: int | None = Field(None, ge=1, description="crew: keep only the newest N checkpoints "
+                                  "in save_dir (older tag folders are deleted after a save); None keeps all.")
+
+
 class ZeroConfig(BaseModel):
     """Only `stage` is typed; other DeepSpeed ZeRO keys are kept in `model_extra`."""
 
@@ -112,6 +120,7 @@ class Config(BaseModel):
     bf16: BF16Config = Field(default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"),
                              description="bf16 mixed precision.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO sharding.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     world_size: int = Field(gt=0, description="Data-parallel ranks the batch triple was resolved for.")
     source: str = Field(description="Where the config came from (a path or '<dict>'), for messages.")
     raw: dict[str, Any] = Field(description="Deep copy of the user's dict, as given.")
@@ -159,7 +168,7 @@ class _BatchKeys(BaseModel):
 # without a warning and reported by ignored_keys(); move a key across when crew starts using it.
 _TOP_KEYS = frozenset(Config.model_fields) - {"world_size", "source", "raw"} | {"bfloat16"}
 _DEEPSPEED_ONLY = frozenset({
-    "activation_checkpointing", "aio", "allgather_size", "amp", "autotuning", "checkpoint", "comet",
+    "activation_checkpointing", "aio", "allgather_size", "amp", "autotuning", "comet",
     "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
     "curriculum_learning", "data_efficiency", "data_parallel_size", "data_types", "datastates_ckpt",
     "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
@@ -196,6 +205,8 @@ _SECTIONS = {
     "zero_optimization": (frozenset({"stage"}), _ZERO_DEEPSPEED_ONLY),
     "optimizer": (frozenset({"type", "params"}), frozenset({"legacy_fusion"})),
     "scheduler": (frozenset({"type", "params"}), frozenset()),
+    "checkpoint": (frozenset(CheckpointConfig.model_fields), frozenset({
+        "load_universal", "parallel_write", "tag_validation", "use_node_local_storage"})),
 }
 
 

@@ -328,7 +328,7 @@ DEEPSPEED_ONLY = [
     ("comms_logger", {"enabled": False}), ("aio", {"block_size": 1048576}), ("autotuning", {"enabled": False}),
     ("amp", {"enabled": False}), ("communication_data_type", "fp32"), ("elasticity", {"enabled": False}),
     ("compression_training", {}), ("data_efficiency", {"enabled": False}), ("sparse_attention", {"mode": "fixed"}),
-    ("pipeline", {"stages": "auto"}), ("checkpoint", {"tag_validation": "Warn"}),
+    ("pipeline", {"stages": "auto"}), ("comet", {"enabled": False}),
     ("zero_allow_untested_optimizer", True), ("memory_breakdown", False), ("torch_autocast", {"enabled": False}),
 ]
 
@@ -500,3 +500,13 @@ def test_load_config_missing_file(tmp_path):
 def test_load_config_directory(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path)
+
+
+def test_checkpoint_section_keep_last_and_deepspeed_keys():
+    config = Config.from_dict({"train_batch_size": 4, "checkpoint": {
+        "keep_last": 3, "tag_validation": "Warn"}}, world_size=1)
+    assert config.checkpoint.keep_last == 3
+    assert ignored_keys(config) == ["checkpoint.tag_validation"]
+    assert Config.from_dict({"train_batch_size": 4}, world_size=1).checkpoint.keep_last is None
+    with pytest.raises(ConfigError, match="checkpoint.keep_last 0 is out of range"):
+        Config.from_dict({"train_batch_size": 4, "checkpoint": {"keep_last": 0}}, world_size=1)
