@@ -242,6 +242,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from crew.checkpoint import export  # torch is needed here only
+
+    folder = export(args.checkpoint_dir, args.out)
+    print(f"crew: wrote {args.out} (fp32 state dict) from {folder}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crew", description="Train PyTorch models on many "
                                      "processes across many machines (DeepSpeed-compatible).")
@@ -260,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("script", nargs="?", help="training script, to show the full command")
     plan.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     plan.set_defaults(handler=cmd_plan)
+    export = commands.add_parser(
+        "export", help="write one fp32 state dict (loadable by model.load_state_dict) from a checkpoint")
+    export.add_argument("checkpoint_dir", help="a save_dir (its 'latest' tag is used) or a tag folder")
+    export.add_argument("out", help="output file; a .safetensors name writes safetensors")
+    export.set_defaults(handler=cmd_export)
     return parser
 
 

@@ -119,6 +119,7 @@ class DataLoader:
         self._consumed = 0                                  # micro batches yielded in `epoch`
         self._pending: tuple[int, int] | None = (0, 0)      # where the next iter() starts
         self._batches: Iterator | None = None
+        self._base_seed: int | None = None  # what this epoch's iterator drew from the global RNG
 
     def __len__(self) -> int:
         return batches_per_epoch(len(self.dataset), self.data_sampler.num_replicas, self.batch_size,
@@ -130,10 +131,15 @@ class DataLoader:
         self.data_sampler.set_by_user = False
         # Slicing the index list is what makes resuming cheap: skipped samples are never fetched.
         indices = list(self.data_sampler)[skip * self.batch_size:]
+        # torch's iterator draws one number from the global RNG per epoch (DeepSpeed's loader too).
+        # Draw it here, once per epoch, and keep it: a mid-epoch resume reuses it instead of drawing
+        # again, so the global RNG stream (dropout, ...) stays identical to an uninterrupted run.
+        if skip == 0 or self._base_seed is None:
+            self._base_seed = int(torch.empty((), dtype=torch.int64).random_().item())
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=self.batch_size, sampler=indices, collate_fn=self.collate_fn,
             drop_last=self.dataloader_drop_last, num_workers=self.num_local_io_workers,
-            pin_memory=self.pin_memory)
+            pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self._base_seed))
         self.epoch, self._consumed, self._batches = epoch, skip, iter(loader)
         return self
 
@@ -158,7 +164,7 @@ class DataLoader:
     def state_dict(self) -> dict:
         """Where this rank is: the epoch in progress and the micro batches already yielded from it
         (before the first `iter()`, or after a load, the point the next `iter()` starts from)."""
-        return {"epoch": self.epoch, "batches_consumed": self._consumed}
+        return {"epoch": self.epoch, "batches_consumed": self._consumed, "base_seed": self._base_seed}
 
     def load_state_dict(self, state: dict) -> None:
         """Make the next `iter()` continue epoch `state["epoch"]` after `batches_consumed` batches.
@@ -183,10 +189,12 @@ class DataLoader:
         if consumed == batches:
             epoch, consumed = epoch + 1, 0
         self._resume_at(epoch, consumed)
+        self._base_seed = state.get("base_seed")
 
     def skip_to_step(self, micro_steps: int) -> None:
         """Make the next `iter()` start after `micro_steps` micro batches counted from epoch 0."""
         self._resume_at(*split_micro_steps(micro_steps, len(self)))
+        self._base_seed = None  # not known: the resumed epoch draws a fresh one
 
     def _resume_at(self, epoch: int, consumed: int) -> None:
         logger.debug("data loader resumes at epoch %s after %s micro batches", epoch, consumed)

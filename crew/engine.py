@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from crew import comm
+from crew import checkpoint, comm
 from crew.config import Config
 from crew.errors import ConfigError
 from crew.log import log_rank0
@@ -164,6 +164,21 @@ class Engine(torch.nn.Module):
     @property
     def loss_scale(self) -> float:
         return self.precision.loss_scale
+
+    # -- checkpoints (crew/checkpoint.py) -----------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """(path, client_state) of the checkpoint loaded, or (None, None) when there is none."""
+        return checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     def log_batch_math(self, batches_per_epoch: int | None) -> None:
         line = (f"micro {self.train_micro_batch_size_per_gpu()} × accumulation "

@@ -272,6 +272,10 @@ class Precision:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 tensor the optimizer steps for `param` (the param itself under fp32)."""
+        return param
+
     def unscale_grads(self) -> bool:
         return False
 
@@ -326,6 +330,9 @@ class _MasterWeights(Precision):
                 self._masters.append(master)
             result.append(self._master_of[id(param)])
         return result
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        return self._master_of.get(id(param), param)
 
     def _pairs(self) -> Iterator[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
         return zip(self._model_params, self._masters)

@@ -1,0 +1,471 @@
+"""Checkpoints with DeepSpeed's semantics (tag folders, a `latest` file, client_state, every rank
+calls), written so that no crash can destroy the last good one.
+
+    save_dir/
+      latest                  the newest complete tag; written last, after every rank finished
+      <tag>/
+        model_states.pt       fp32 module, optimizer, scheduler, precision, counters, config, version
+        client_state.pt       the user's client_state
+        rank<R>.pt            rank R's RNG states and data loader position
+        crew_checkpoint.json  manifest: world size, placement, version (its presence = complete)
+
+A tag is built in `.<tag>.partial-<token>` and renamed into place only when every rank has written
+and fsynced its files, so a kill at any moment leaves the previous checkpoint and `latest` intact.
+Without a shared filesystem each node's first rank writes the node's own copy of the shared files.
+Loading uses torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+
+from crew import __version__, comm
+from crew.errors import CrewError
+from crew.log import log_rank0, warn_once
+
+MANIFEST = "crew_checkpoint.json"
+MODEL_STATES = "model_states.pt"
+CLIENT_STATE = "client_state.pt"
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
+_RENAME_EXCHANGE = 2
+
+
+class CheckpointError(CrewError):
+    """A checkpoint that cannot be written or read; says which file and what differs."""
+
+
+# -- collective error handling ------------------------------------------------------------------
+
+def _where() -> str:
+    return f"rank {comm.get_rank()} on {os.environ.get('CREW_HOST') or socket.gethostname()}"
+
+
+def _agree(problem: str | None, what: str) -> None:
+    """Every rank raises the same error if any rank had a problem: nobody waits on a dead rank."""
+    problems = [problem]
+    if comm.get_world_size() > 1 and torch.distributed.is_initialized():
+        problems = [None] * comm.get_world_size()
+        torch.distributed.all_gather_object(problems, problem)
+    found = [p for p in problems if p]
+    if found:
+        shown = "\n  ".join(found[:8]) + (f"\n  ... and {len(found) - 8} more" if len(found) > 8 else "")
+        raise CheckpointError(f"{what} failed on {len(found)} rank(s):\n  {shown}")
+
+
+def _attempt(action, *args) -> str | None:
+    try:
+        action(*args)
+    except (OSError, RuntimeError, ValueError, CrewError) as exc:
+        return f"{_where()}: {exc}"
+    return None
+
+
+# -- files --------------------------------------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Recorder:
+    """A file wrapper that keeps the OSError of a failed write (disk full, quota), which torch's
+    serialiser would otherwise turn into an opaque 'enforce fail ... unexpected pos'."""
+
+    def __init__(self, handle):
+        self.handle, self.error = handle, None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _write_atomic(path: Path, data: bytes | None = None, obj: Any = None) -> None:
+    """Write under a temporary name, fsync, rename: `path` is either the old or the new file."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            recorder = _Recorder(handle)
+            try:
+                torch.save(obj, recorder) if obj is not None else recorder.write(data)
+                handle.flush()
+            except Exception:
+                if recorder.error is not None:
+                    raise recorder.error from None
+                raise
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _read(path: Path) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or corrupted file fails in many ways inside torch
+        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}); "
+                              "it is truncated, corrupted or not a crew checkpoint") from None
+
+
+def _swap_into_place(staging: Path, final: Path) -> None:
+    """Rename `staging` to `final`; an existing `final` is exchanged atomically, then removed."""
+    if not final.exists():
+        os.rename(staging, final)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(-100, bytes(staging), -100, bytes(final), _RENAME_EXCHANGE) != 0:
+        raise OSError(ctypes.get_errno(), f"cannot replace {final} atomically")
+    shutil.rmtree(staging, ignore_errors=True)  # holds the old checkpoint now
+
+
+# -- save ---------------------------------------------------------------------------------------
+
+def default_tag(engine) -> str:
+    return f"global_step{engine.global_steps}"
+
+
+def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
+         client_state: dict | None = None, save_latest: bool = True) -> bool:
+    save_dir = Path(save_dir).absolute()
+    tag = str(tag) if tag is not None else default_tag(engine)
+    if engine.micro_steps % engine.gradient_accumulation_steps():
+        warn_once("save_checkpoint in the middle of gradient accumulation: the gradients of the "
+                  "micro steps since the last optimizer step are not saved, so a resume repeats "
+                  "them. Save right after the engine.step() that ends an accumulation.")
+    _agree(_tag_problem(tag), "save_checkpoint")
+    _agree(_same_everywhere(tag, "tag"), "save_checkpoint")
+    token = _broadcast_token()
+    staging = save_dir / f".{tag}.partial-{token}"
+    shared = _detect_shared(save_dir, staging, token)
+    writes_shared_files = comm.get_rank() == 0 or (not shared and comm.get_local_rank() == 0)
+    _agree(_attempt(_write_files, engine, staging, client_state or {}, writes_shared_files),
+           f"save_checkpoint({save_dir}, tag={tag})")
+    hosts = _placement()  # a collective: every rank, before only the writers go on
+    comm.barrier()  # every rank's files are on disk before any tag appears
+    if writes_shared_files:
+        problem = _attempt(_commit, engine, staging, save_dir, tag, save_latest, hosts)
+    else:
+        problem = None
+    _agree(problem, f"save_checkpoint({save_dir}, tag={tag})")
+    log_rank0("saved checkpoint %s", save_dir / tag)
+    return True
+
+
+def _tag_problem(tag: str) -> str | None:
+    if _TAG.fullmatch(tag):
+        return None
+    return (f"tag '{tag}' is not a valid folder name: use letters, digits and '_.+=-', not starting "
+            "with '.' or '-' (the default is global_step<N>)")
+
+
+def _same_everywhere(value: str, name: str) -> str | None:
+    if comm.get_world_size() == 1 or not torch.distributed.is_initialized():
+        return None
+    values = [None] * comm.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    if len(set(values)) > 1:
+        return f"{_where()}: the ranks passed different {name}s: {values}; pass the same on every rank"
+    return None
+
+
+def _broadcast_token() -> str:
+    token = [secrets.token_hex(4)]
+    if comm.get_world_size() > 1 and torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _detect_shared(save_dir: Path, staging: Path, token: str) -> bool:
+    """Whether every rank sees rank 0's files in save_dir (one filesystem) or only its own."""
+    marker = staging / f".shared-{token}"
+    if comm.get_rank() == 0:
+        _agree(_attempt(lambda: (staging.mkdir(parents=True), marker.touch())), "save_checkpoint")
+    else:
+        _agree(None, "save_checkpoint")
+    shared = marker.exists()
+    if not shared:
+        staging.mkdir(parents=True, exist_ok=True)
+    flags = [shared]
+    if comm.get_world_size() > 1 and torch.distributed.is_initialized():
+        flags = [None] * comm.get_world_size()
+        torch.distributed.all_gather_object(flags, shared)
+    return all(flags)
+
+
+def _write_files(engine, staging: Path, client_state: dict, writes_shared_files: bool) -> None:
+    if writes_shared_files:
+        client_bytes = _client_state_bytes(client_state)
+        _write_atomic(staging / MODEL_STATES, obj=_engine_state(engine))
+        _write_atomic(staging / CLIENT_STATE, data=client_bytes)
+    _write_atomic(staging / f"rank{comm.get_rank()}.pt", obj=_rank_state(engine))
+
+
+def _client_state_bytes(client_state: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(client_state, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"client_state cannot be loaded safely ({str(exc).splitlines()[0][:200]}). Keep it to "
+            "tensors, numbers, strings, lists, tuples and dicts.") from None
+    return buffer.getvalue()
+
+
+def _engine_state(engine) -> dict:
+    precision_state = engine.precision.state_dict()
+    precision_state.pop("master_params", None)  # the fp32 module below carries them, once
+    return {
+        "module": fp32_module_state(engine),
+        "optimizer": engine.optimizer.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        "precision": precision_state,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "world_size": engine.world_size,
+        "config": engine.config.raw,
+        "crew_version": __version__,
+    }
+
+
+def fp32_module_state(engine) -> dict[str, torch.Tensor]:
+    """The module's state dict with every parameter as its fp32 master value."""
+    masters = {name: engine.precision.master_of(param)
+               for name, param in engine.module.named_parameters()}
+    state = engine.module.state_dict()
+    return {name: (masters[name] if name in masters else value).detach().to(
+        torch.float32 if value.is_floating_point() else value.dtype).cpu()
+        for name, value in state.items()}
+
+
+def _rank_state(engine) -> dict:
+    np_state = numpy.random.get_state()
+    loader = getattr(engine, "training_dataloader", None)
+    return {
+        "rank": comm.get_rank(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python_rng": random.getstate(),
+        "numpy_rng": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "dataloader": loader.state_dict() if loader is not None else None,
+    }
+
+
+def _commit(engine, staging: Path, save_dir: Path, tag: str, save_latest: bool,
+            hosts: list[str]) -> None:
+    manifest = {"tag": tag, "world_size": engine.world_size, "global_steps": engine.global_steps,
+                "crew_version": __version__, "hosts": hosts}
+    _write_atomic(staging / MANIFEST, data=json.dumps(manifest, indent=1).encode())
+    for marker in staging.glob(".shared-*"):
+        marker.unlink()
+    _fsync_dir(staging)
+    _swap_into_place(staging, save_dir / tag)
+    _fsync_dir(save_dir)
+    if save_latest:
+        _write_atomic(save_dir / "latest", data=tag.encode())
+        _fsync_dir(save_dir)
+    _remove_stale(save_dir, tag, engine.config.checkpoint.keep_last)
+
+
+def _placement() -> list[str]:
+    hosts = [os.environ.get("CREW_HOST") or socket.gethostname()]
+    if comm.get_world_size() > 1 and torch.distributed.is_initialized():
+        hosts = [None] * comm.get_world_size()
+        torch.distributed.all_gather_object(hosts, os.environ.get("CREW_HOST") or socket.gethostname())
+    return hosts
+
+
+def _remove_stale(save_dir: Path, current: str, keep_last: int | None) -> None:
+    """Leftovers of interrupted saves, and complete tags beyond `keep_last` (never `latest`'s)."""
+    for leftover in save_dir.glob(".*.partial-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep_last is None:
+        return
+    latest = read_latest(save_dir)
+    tags = sorted((p for p in save_dir.iterdir() if (p / MANIFEST).is_file()),
+                  key=lambda p: (p / MANIFEST).stat().st_mtime)
+    for old in tags[:-keep_last]:
+        if old.name not in (current, latest):
+            shutil.rmtree(old, ignore_errors=True)
+            log_rank0("keep_last %d: removed checkpoint %s", keep_last, old)
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+def read_latest(load_dir: Path) -> str | None:
+    try:
+        return (Path(load_dir) / "latest").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+         load_lr_scheduler_states=True, load_module_only=False):
+    load_dir = Path(load_dir).absolute()
+    tag = tag if tag is not None else read_latest(load_dir)
+    if tag is None:
+        log_rank0("no checkpoint to load: %s has no 'latest' file (pass tag= to choose one)", load_dir)
+        return None, None
+    folder = load_dir / str(tag)
+    states: dict = {}
+    _agree(_attempt(_read_all, folder, states), f"load_checkpoint({load_dir}, tag={tag})")
+    _agree(_attempt(_check_fits, engine, states["model"], folder / MODEL_STATES, load_module_strict),
+           f"load_checkpoint({load_dir}, tag={tag})")
+    _apply(engine, states, load_module_strict, load_optimizer_states and not load_module_only,
+           load_lr_scheduler_states and not load_module_only, load_module_only)
+    log_rank0("loaded checkpoint %s (global step %d)", folder, engine.global_steps)
+    return str(folder), states["client"]
+
+
+def _read_all(folder: Path, states: dict) -> None:
+    if not folder.is_dir():
+        raise CheckpointError(_missing_tag_message(folder))
+    missing = [name for name in (MANIFEST, MODEL_STATES, CLIENT_STATE) if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{folder} lacks {', '.join(missing)}: on a node without a shared filesystem, the save "
+            "dir holds only what that node's ranks wrote; load on the same placement, or share it")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    states["manifest"] = manifest
+    states["model"] = _read(folder / MODEL_STATES)
+    states["client"] = _read(folder / CLIENT_STATE)
+    rank_file = folder / f"rank{comm.get_rank()}.pt"
+    same_world = manifest.get("world_size") == comm.get_world_size()
+    if same_world and not rank_file.is_file():
+        saved_on = manifest.get("hosts", [])[comm.get_rank()] if manifest.get("hosts") else "?"
+        raise CheckpointError(
+            f"{rank_file} is missing (rank {comm.get_rank()} was saved on {saved_on}): the save dir "
+            "is not shared between nodes; load with the same ranks on the same hosts, or copy it")
+    states["rank"] = _read(rank_file) if same_world else None
+
+
+def _missing_tag_message(folder: Path) -> str:
+    available = sorted(p.name for p in folder.parent.glob("*") if (p / MANIFEST).is_file())
+    listed = ", ".join(available) if available else "none"
+    return f"checkpoint tag '{folder.name}' not found in {folder.parent} (complete tags there: {listed})"
+
+
+def _check_fits(engine, saved: dict, path: Path, strict: bool) -> None:
+    expected = engine.module.state_dict()
+    module = saved.get("module", {})
+    differ = [f"{name}: saved {tuple(value.shape)}, model {tuple(expected[name].shape)}"
+              for name, value in module.items()
+              if name in expected and tuple(value.shape) != tuple(expected[name].shape)]
+    if differ:
+        raise CheckpointError(f"{path} does not fit this model: " + "; ".join(differ[:5]))
+    if strict:
+        missing = sorted(set(expected) - set(module))
+        unexpected = sorted(set(module) - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{path} does not fit this model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]} (load_module_strict=False loads the keys that match)")
+
+
+@torch.no_grad()
+def _apply(engine, states: dict, strict: bool, optimizer: bool, scheduler: bool,
+           module_only: bool) -> None:
+    saved = states["model"]
+    engine.module.load_state_dict(saved["module"], strict=strict)
+    if not module_only:
+        engine.precision.load_state_dict(saved["precision"])
+    for name, param in engine.module.named_parameters():
+        if name in saved["module"]:
+            engine.precision.master_of(param).copy_(saved["module"][name])
+    if optimizer:
+        engine.optimizer.load_state_dict(saved["optimizer"])
+    if scheduler and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    if module_only:
+        return
+    engine.global_steps = saved["global_steps"]
+    engine.global_samples = saved["global_samples"]
+    engine.micro_steps = saved["micro_steps"]
+    if states["rank"] is None:
+        log_rank0("checkpoint was saved on %d ranks, this run has %d: model, optimizer and "
+                  "scheduler are loaded; per-rank RNG and data positions start fresh",
+                  saved["world_size"], comm.get_world_size())
+        return
+    _restore_rank_state(engine, states["rank"])
+
+
+def _restore_rank_state(engine, state: dict) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    random.setstate(_as_tuples(state["python_rng"]))
+    kind, keys, *rest = state["numpy_rng"]
+    numpy.random.set_state((kind, keys.numpy(), *rest))
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is not None and state["dataloader"] is not None:
+        loader.load_state_dict(state["dataloader"])
+
+
+def _as_tuples(value):
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+# -- export -------------------------------------------------------------------------------------
+
+def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+    """Rank 0 writes the module's weights in its training dtype (16-bit under fp16/bf16)."""
+    problem = None
+    if comm.get_rank() == 0:
+        dtype = engine.precision.dtype
+        state = {name: value.to(dtype) if value.is_floating_point() else value
+                 for name, value in fp32_module_state(engine).items()}
+        problem = _attempt(write_state_dict, state, Path(save_dir) / save_filename)
+    _agree(problem, f"save_16bit_model({save_dir}, {save_filename})")
+    return True
+
+
+def write_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix != ".safetensors":
+        _write_atomic(path, obj=state)
+        return
+    try:
+        from safetensors.torch import save as to_safetensors
+    except ImportError:
+        raise CheckpointError(f"{path}: writing .safetensors needs the safetensors package: "
+                              "pip install 'crew[safetensors]' (or use a .bin/.pt name)") from None
+    _write_atomic(path, data=to_safetensors({k: v.contiguous() for k, v in state.items()}))
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """`crew export`: a save dir (its `latest`) or a tag folder -> one fp32 state dict file."""
+    folder = Path(checkpoint)
+    if not (folder / MANIFEST).is_file():
+        tag = read_latest(folder)
+        if tag is None:
+            raise CheckpointError(f"{folder} is neither a checkpoint tag folder (no {MANIFEST}) "
+                                  "nor a save dir with a 'latest' file")
+        folder = folder / tag
+    state = _read(folder / MODEL_STATES)["module"]
+    write_state_dict(state, Path(out))
+    return folder

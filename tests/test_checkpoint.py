@@ -1,0 +1,288 @@
+"""Checkpoints: exact resume, atomic under SIGKILL at any point, safe and clear loading, export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import crew
+from dist import run_ranks
+
+ROOT = Path(__file__).parent.parent
+
+
+def make_model(hidden: int = 16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Dropout(0.2), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, 1))
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randn(56, 8, generator=generator)  # 56: epochs end mid-way through a step
+    return torch.utils.data.TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
+
+
+def ds_config(accumulation: int = 2, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation,
+            "steps_per_print": 10**6, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 5}},
+            **extra}
+
+
+def train(engine, loader, until_step: int) -> list[float]:
+    """Train to `until_step`, across epochs; a dropout model, so the RNG state matters too."""
+    losses = []
+    while engine.global_steps < until_step:
+        for inputs, targets in loader:
+            dtype = next(engine.module.parameters()).dtype
+            loss = torch.nn.functional.mse_loss(engine(inputs.to(dtype)).float(), targets)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if engine.global_steps == until_step:  # moves only on a boundary: stop right there
+                return losses
+    return losses
+
+
+def session(rank: int, config: dict, folder: str, start: str, until_step: int) -> dict:
+    """One run of new processes: fresh, or resumed from `folder`; trains; saves."""
+    import crew
+
+    engine, _, loader, _ = crew.initialize(model=make_model(), training_data=dataset(), config=config)
+    client = None
+    if start == "resume":
+        _, client = engine.load_checkpoint(folder)
+    losses = train(engine, loader, until_step)
+    engine.save_checkpoint(folder, client_state={"losses_so_far": len(losses)})
+    return {"losses": losses, "client": client,
+            "params": {k: v.clone() for k, v in engine.module.state_dict().items()}}
+
+
+CONFIGS = {
+    "accumulation": ds_config(accumulation=2),
+    "no-accumulation": ds_config(accumulation=1),
+    "bf16": ds_config(accumulation=2, bf16={"enabled": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_resume_is_exact_on_two_ranks(tmp_path, name):
+    config, steps = CONFIGS[name], 6  # 6 steps of 16 samples: past the end of the first epoch
+    whole = run_ranks(session, 2, config, str(tmp_path / "whole"), "fresh", 2 * steps)
+    first = run_ranks(session, 2, config, str(tmp_path / "split"), "fresh", steps)
+    second = run_ranks(session, 2, config, str(tmp_path / "split"), "resume", 2 * steps)
+    for rank in range(2):
+        assert first[rank]["losses"] + second[rank]["losses"] == whole[rank]["losses"]
+        for key, value in whole[rank]["params"].items():
+            assert torch.equal(second[rank]["params"][key], value), f"{key} differs after resume"
+        assert second[rank]["client"] == {"losses_so_far": len(first[rank]["losses"])}
+
+
+def single_engine(config: dict | None = None, model: torch.nn.Module | None = None):
+    import crew
+
+    engine, _, loader, _ = crew.initialize(model=model or make_model(), training_data=dataset(),
+                                           config=config or ds_config())
+    return engine, loader
+
+
+def test_nothing_to_load_returns_none_none(tmp_path):
+    engine, _ = single_engine()
+    assert engine.load_checkpoint(tmp_path / "empty") == (None, None)
+
+
+def test_missing_tag_names_the_tags_there(tmp_path):
+    engine, loader = single_engine()
+    train(engine, loader, 1)
+    engine.save_checkpoint(tmp_path, tag="first")
+    with pytest.raises(Exception, match=r"tag 'nope' not found in .* \(complete tags there: first\)"):
+        engine.load_checkpoint(tmp_path, tag="nope")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_damaged_file_is_named(tmp_path, damage):
+    engine, loader = single_engine()
+    train(engine, loader, 1)
+    engine.save_checkpoint(tmp_path)
+    target = tmp_path / "global_step1" / "model_states.pt"
+    data = target.read_bytes()
+    target.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00garbage" * 100)
+    with pytest.raises(Exception, match=rf"{target} cannot be read .* truncated, corrupted"):
+        engine.load_checkpoint(tmp_path)
+
+
+def test_a_different_model_shape_is_named(tmp_path):
+    engine, loader = single_engine()
+    train(engine, loader, 1)
+    engine.save_checkpoint(tmp_path)
+    other, _ = single_engine(model=make_model(hidden=12))
+    with pytest.raises(Exception, match=r"does not fit this model: 0.weight: saved \(16, 8\), model \(12, 8\)"):
+        other.load_checkpoint(tmp_path)
+
+
+def test_unsafe_client_state_is_refused_at_save(tmp_path):
+    engine, _ = single_engine()
+    with pytest.raises(Exception, match="client_state cannot be loaded safely"):
+        engine.save_checkpoint(tmp_path, client_state={"bad": Path("/")})
+    assert not (tmp_path / "latest").exists()
+
+
+@pytest.mark.parametrize("tag", ["../escape", ".hidden", "a/b", ""])
+def test_bad_tags_are_refused(tmp_path, tag):
+    engine, _ = single_engine()
+    with pytest.raises(Exception, match="is not a valid folder name"):
+        engine.save_checkpoint(tmp_path, tag=tag)
+
+
+def test_keep_last_removes_older_checkpoints(tmp_path):
+    engine, loader = single_engine(ds_config(checkpoint={"keep_last": 2}))
+    for step in range(1, 5):
+        train(engine, loader, step)
+        engine.save_checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step3", "global_step4", "latest"]
+    assert (tmp_path / "latest").read_text() == "global_step4"
+
+
+def test_saving_the_same_tag_again_replaces_it(tmp_path):
+    engine, loader = single_engine()
+    train(engine, loader, 1)
+    engine.save_checkpoint(tmp_path, tag="best")
+    train(engine, loader, 2)
+    engine.save_checkpoint(tmp_path, tag="best")
+    fresh, _ = single_engine()
+    fresh.load_checkpoint(tmp_path)
+    assert fresh.global_steps == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "latest"]
+
+
+def test_a_different_world_size_loads_the_model_and_optimizer(tmp_path):
+    saved = run_ranks(session, 2, ds_config(), str(tmp_path), "fresh", 3)
+    engine, _ = single_engine()
+    engine.load_checkpoint(tmp_path)
+    assert engine.global_steps == 3
+    for key, value in saved[0]["params"].items():
+        assert torch.equal(engine.module.state_dict()[key], value)
+
+
+def test_crew_export_writes_one_fp32_state_dict(tmp_path):
+    engine, loader = single_engine(ds_config(bf16={"enabled": True}))
+    train(engine, loader, 2)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    result = crew("export", str(tmp_path / "ckpt"), str(tmp_path / "model.pt"), cwd=tmp_path)
+    assert result.code == 0, result.err
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in exported.values())
+    masters = {n: engine.precision.master_of(p) for n, p in engine.module.named_parameters()}
+    for name, master in masters.items():
+        assert torch.equal(exported[name], master)  # the fp32 masters, not bf16-rounded weights
+    plain = make_model()
+    plain.load_state_dict(exported)
+
+
+def test_export_to_safetensors_and_save_16bit_model(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    engine, loader = single_engine(ds_config(bf16={"enabled": True}))
+    train(engine, loader, 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    assert crew("export", str(tmp_path / "ckpt" / "global_step1"), str(tmp_path / "m.safetensors"),
+                cwd=tmp_path).code == 0
+    make_model().load_state_dict(safetensors.load_file(tmp_path / "m.safetensors"))
+    engine.save_16bit_model(tmp_path / "out", "weights.bin")
+    half = torch.load(tmp_path / "out" / "weights.bin", weights_only=True)
+    assert half["0.weight"].dtype == torch.bfloat16
+    make_model().load_state_dict(half)
+
+
+def test_export_of_a_folder_without_checkpoint_is_a_clear_error(tmp_path):
+    result = crew("export", str(tmp_path), str(tmp_path / "x.pt"), cwd=tmp_path)
+    assert result.code == 2
+    assert "neither a checkpoint tag folder" in result.err and "Traceback" not in result.err
+
+
+def test_a_save_that_cannot_complete_raises_on_every_rank(tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)]).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        errors = run_ranks(save_expecting_error, 2, str(full))
+    finally:
+        subprocess.run(["umount", str(full)])
+    for message in errors:
+        assert "save_checkpoint" in message and "No space left on device" in message
+    assert not (full / "latest").exists()
+
+
+def save_expecting_error(rank: int, folder: str) -> str:
+    import crew
+
+    engine, _, _, _ = crew.initialize(model=torch.nn.Linear(256, 256), config=ds_config())
+    try:
+        engine.save_checkpoint(folder)
+    except crew.errors.CrewError as exc:
+        return str(exc)
+    raise AssertionError("save_checkpoint did not fail")
+
+
+# -- SIGKILL at chosen points of a save -----------------------------------------------------------
+
+KILLER = """
+    import os, signal, sys, torch
+    import crew
+    import crew.checkpoint as checkpoint
+
+    kill_file, kill_rank = sys.argv[1], int(sys.argv[2])
+    write = checkpoint._write_atomic
+
+    def dying_write(path, *args, **kwargs):
+        if save_count[0] == 2 and path.name == kill_file and crew.comm.get_rank() == kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(path, *args, **kwargs)
+
+    checkpoint._write_atomic = dying_write
+    save_count = [0]
+    torch.manual_seed(0)
+    engine, _, _, _ = crew.initialize(model=torch.nn.Linear(32, 32), config={
+        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for tag in ("first", "second"):
+        save_count[0] += 1
+        engine.backward(engine(torch.randn(4, 32)).sum())
+        engine.step()
+        engine.save_checkpoint("ckpt", tag=tag)
+"""
+
+LOADER = """
+    import json, torch, crew
+    engine, _, _, _ = crew.initialize(model=torch.nn.Linear(32, 32), config={
+        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    path, _ = engine.load_checkpoint("ckpt")
+    if crew.comm.get_rank() == 0:
+        json.dump({"path": path, "steps": engine.global_steps}, open("loaded.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("kill_file, kill_rank, expected", [
+    ("rank1.pt", 1, "first"),              # a rank dies writing its own file
+    ("model_states.pt", 0, "first"),       # rank 0 dies writing the shared state
+    ("crew_checkpoint.json", 0, "first"),  # dies while committing, before the rename
+    ("latest", 0, "first"),                # dies after the new tag is in place, before `latest`
+])
+def test_kill_during_save_keeps_the_previous_checkpoint(job_dir, kill_file, kill_rank, expected):
+    (job_dir / "killer.py").write_text(textwrap.dedent(KILLER))
+    (job_dir / "loader.py").write_text(textwrap.dedent(LOADER))
+    run = crew("run", "--num_gpus", "2", "--no_local_rank", "killer.py", kill_file, str(kill_rank),
+               cwd=job_dir, timeout=90)
+    assert run.code == 128 + 9, run.err  # SIGKILL, reported as the first failure
+    assert f"rank {kill_rank} (local {kill_rank}) was killed by SIGKILL" in run.err
+    assert run.seconds < 30, "the surviving rank hung"
+    assert (job_dir / "ckpt" / "latest").read_text() == expected
+    load = crew("run", "--num_gpus", "2", "loader.py", cwd=job_dir)
+    assert load.code == 0, load.err
+    loaded = json.loads((job_dir / "loaded.json").read_text())
+    assert loaded["path"].endswith(f"ckpt/{expected}") and loaded["steps"] == 1
