@@ -327,10 +327,11 @@ def read_latest(load_dir: Path) -> str | None:
 def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
          load_lr_scheduler_states=True, load_module_only=False):
     load_dir = Path(load_dir).absolute()
-    tag = tag if tag is not None else read_latest(load_dir)
+    tag = str(tag) if tag is not None else _agreed_latest(load_dir)
     if tag is None:
         log_rank0("no checkpoint to load: %s has no 'latest' file (pass tag= to choose one)", load_dir)
         return None, None
+    _agree(_same_everywhere(tag, "tag"), f"load_checkpoint({load_dir})")
     folder = load_dir / str(tag)
     states: dict = {}
     _agree(_attempt(_read_all, folder, states), f"load_checkpoint({load_dir}, tag={tag})")
@@ -340,6 +341,22 @@ def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_sta
            load_lr_scheduler_states and not load_module_only, load_module_only)
     log_rank0("loaded checkpoint %s (global step %d)", folder, engine.global_steps)
     return str(folder), states["client"]
+
+
+def _agreed_latest(load_dir: Path) -> str | None:
+    """The tag `latest` names, the same on every rank; nodes that disagree fail every rank."""
+    seen = [(read_latest(load_dir), _where())]
+    if comm.get_world_size() > 1 and torch.distributed.is_initialized():
+        seen = [None] * comm.get_world_size()
+        torch.distributed.all_gather_object(seen, (read_latest(load_dir), _where()))
+    tags = {tag for tag, _ in seen}
+    if len(tags) > 1:
+        listed = "; ".join(f"{where}: {tag or 'no latest file'}" for tag, where in seen)
+        raise CheckpointError(
+            f"load_checkpoint({load_dir}): the ranks see different 'latest' tags ({listed}). The "
+            "save dir is not shared between nodes and the nodes' copies differ: copy the newest "
+            "checkpoint to every node, or pass tag= with one that every node has.")
+    return tags.pop()
 
 
 def _read_all(folder: Path, states: dict) -> None:
@@ -367,7 +384,8 @@ def _read_all(folder: Path, states: dict) -> None:
 def _missing_tag_message(folder: Path) -> str:
     available = sorted(p.name for p in folder.parent.glob("*") if (p / MANIFEST).is_file())
     listed = ", ".join(available) if available else "none"
-    return f"checkpoint tag '{folder.name}' not found in {folder.parent} (complete tags there: {listed})"
+    return (f"checkpoint tag '{folder.name}' not found in {folder.parent} (complete tags there: "
+            f"{listed}); if other ranks found it, the save dir is not shared between nodes")
 
 
 def _check_fits(engine, saved: dict, path: Path, strict: bool) -> None:
