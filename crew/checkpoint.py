@@ -4,14 +4,17 @@ calls), written so that no crash can destroy the last good one.
     save_dir/
       latest                  the newest complete tag; written last, after every rank finished
       <tag>/
-        model_states.pt       fp32 module, optimizer, scheduler, precision, counters, config, version
+        model_states.<i>-of-<k>.pt
+                              fp32 module, optimizer, scheduler, precision, counters, config, version,
+                              in k byte-balanced parts written in parallel by k ranks (the state is
+                              replicated, so each rank serialises and fsyncs only its part)
         client_state.pt       the user's client_state
         rank<R>.pt            rank R's RNG states and data loader position
         crew_checkpoint.json  manifest: world size, placement, version (its presence = complete)
 
 A tag is built in `.<tag>.partial-<token>` and renamed into place only when every rank has written
 and fsynced its files, so a kill at any moment leaves the previous checkpoint and `latest` intact.
-Without a shared filesystem each node's first rank writes the node's own copy of the shared files.
+Without a shared filesystem each node's ranks write the node's own copy of the shared files.
 Loading uses torch.load(weights_only=True).
 """
 
@@ -37,7 +40,7 @@ from crew.errors import CrewError
 from crew.log import log_rank0, warn_once
 
 MANIFEST = "crew_checkpoint.json"
-MODEL_STATES = "model_states.pt"
+MODEL_STATES = "model_states.{part}-of-{parts}.pt"
 CLIENT_STATE = "client_state.pt"
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 _RENAME_EXCHANGE = 2
@@ -161,13 +164,14 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
     token = _broadcast_token()
     staging = save_dir / f".{tag}.partial-{token}"
     shared = _detect_shared(save_dir, staging, token)
-    writes_shared_files = comm.get_rank() == 0 or (not shared and comm.get_local_rank() == 0)
-    _agree(_attempt(_write_files, engine, staging, client_state or {}, writes_shared_files),
+    part, parts = _my_part(shared)
+    writes_shared_files = part == 0
+    _agree(_attempt(_write_files, engine, staging, client_state or {}, part, parts),
            f"save_checkpoint({save_dir}, tag={tag})")
     hosts = _placement()  # a collective: every rank, before only the writers go on
     comm.barrier()  # every rank's files are on disk before any tag appears
     if writes_shared_files:
-        problem = _attempt(_commit, engine, staging, save_dir, tag, save_latest, hosts)
+        problem = _attempt(_commit, engine, staging, save_dir, tag, save_latest, hosts, parts)
     else:
         problem = None
     _agree(problem, f"save_checkpoint({save_dir}, tag={tag})")
@@ -216,12 +220,58 @@ def _detect_shared(save_dir: Path, staging: Path, token: str) -> bool:
     return all(flags)
 
 
-def _write_files(engine, staging: Path, client_state: dict, writes_shared_files: bool) -> None:
-    if writes_shared_files:
-        client_bytes = _client_state_bytes(client_state)
-        _write_atomic(staging / MODEL_STATES, obj=_engine_state(engine))
-        _write_atomic(staging / CLIENT_STATE, data=client_bytes)
+def _my_part(shared: bool) -> tuple[int | None, int]:
+    """Which part of the replicated state this rank writes: all ranks share the work on one
+    filesystem; without one, each node's ranks write the node's own full copy."""
+    if shared:
+        return comm.get_rank(), comm.get_world_size()
+    parts = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local = comm.get_local_rank()
+    return (local if local < parts else None), parts
+
+
+def _write_files(engine, staging: Path, client_state: dict, part: int | None, parts: int) -> None:
+    if part == 0:
+        _write_atomic(staging / CLIENT_STATE, data=_client_state_bytes(client_state))
+    if part is not None:
+        shard = split_state(_engine_state(engine), parts)[part]
+        _write_atomic(staging / MODEL_STATES.format(part=part, parts=parts), obj=shard)
     _write_atomic(staging / f"rank{comm.get_rank()}.pt", obj=_rank_state(engine))
+
+
+def split_state(state: dict, parts: int) -> list[dict]:
+    """Spread the module's tensors and the optimizer's per-parameter states over `parts` dicts,
+    balanced by bytes; part 0 also holds everything else. The same on every rank (replicated state,
+    deterministic order), so each rank can write its own part."""
+    items = [("module", k, v) for k, v in state["module"].items()]
+    items += [("optimizer_state", k, v) for k, v in state["optimizer"]["state"].items()]
+    shards = [{"module": {}, "optimizer_state": {}} for _ in range(parts)]
+    loads = [0] * parts
+    for kind, key, value in sorted(items, key=lambda item: -_nbytes(item[2])):
+        lightest = loads.index(min(loads))
+        shards[lightest][kind][key] = value
+        loads[lightest] += _nbytes(value)
+    rest = {k: v for k, v in state.items() if k != "module"}
+    rest["optimizer"] = {k: v for k, v in state["optimizer"].items() if k != "state"}
+    shards[0].update(rest, module_keys=list(state["module"]))
+    return shards
+
+
+def merge_state(shards: list[dict]) -> dict:
+    state = {k: v for k, v in shards[0].items() if k not in ("module", "optimizer_state", "module_keys")}
+    module = {k: v for shard in shards for k, v in shard["module"].items()}
+    state["module"] = {key: module[key] for key in shards[0]["module_keys"]}
+    optimizer_state = {k: v for shard in shards for k, v in shard["optimizer_state"].items()}
+    state["optimizer"] = {**state["optimizer"], "state": dict(sorted(optimizer_state.items()))}
+    return state
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
 
 
 def _client_state_bytes(client_state: dict) -> bytes:
@@ -277,9 +327,9 @@ def _rank_state(engine) -> dict:
 
 
 def _commit(engine, staging: Path, save_dir: Path, tag: str, save_latest: bool,
-            hosts: list[str]) -> None:
+            hosts: list[str], parts: int) -> None:
     manifest = {"tag": tag, "world_size": engine.world_size, "global_steps": engine.global_steps,
-                "crew_version": __version__, "hosts": hosts}
+                "crew_version": __version__, "hosts": hosts, "model_states_parts": parts}
     _write_atomic(staging / MANIFEST, data=json.dumps(manifest, indent=1).encode())
     for marker in staging.glob(".shared-*"):
         marker.unlink()
@@ -335,7 +385,7 @@ def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_sta
     folder = load_dir / str(tag)
     states: dict = {}
     _agree(_attempt(_read_all, folder, states), f"load_checkpoint({load_dir}, tag={tag})")
-    _agree(_attempt(_check_fits, engine, states["model"], folder / MODEL_STATES, load_module_strict),
+    _agree(_attempt(_check_fits, engine, states["model"], folder, load_module_strict),
            f"load_checkpoint({load_dir}, tag={tag})")
     _apply(engine, states, load_module_strict, load_optimizer_states and not load_module_only,
            load_lr_scheduler_states and not load_module_only, load_module_only)
@@ -362,14 +412,15 @@ def _agreed_latest(load_dir: Path) -> str | None:
 def _read_all(folder: Path, states: dict) -> None:
     if not folder.is_dir():
         raise CheckpointError(_missing_tag_message(folder))
-    missing = [name for name in (MANIFEST, MODEL_STATES, CLIENT_STATE) if not (folder / name).is_file()]
+    manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).is_file() else {}
+    names = [MANIFEST, CLIENT_STATE, *_model_state_files(manifest)]
+    missing = [name for name in names if not (folder / name).is_file()]
     if missing:
         raise CheckpointError(
             f"{folder} lacks {', '.join(missing)}: on a node without a shared filesystem, the save "
             "dir holds only what that node's ranks wrote; load on the same placement, or share it")
-    manifest = json.loads((folder / MANIFEST).read_text())
     states["manifest"] = manifest
-    states["model"] = _read(folder / MODEL_STATES)
+    states["model"] = read_model_states(folder, manifest)
     states["client"] = _read(folder / CLIENT_STATE)
     rank_file = folder / f"rank{comm.get_rank()}.pt"
     same_world = manifest.get("world_size") == comm.get_world_size()
@@ -381,6 +432,15 @@ def _read_all(folder: Path, states: dict) -> None:
     states["rank"] = _read(rank_file) if same_world else None
 
 
+def _model_state_files(manifest: dict) -> list[str]:
+    parts = manifest.get("model_states_parts", 1)
+    return [MODEL_STATES.format(part=part, parts=parts) for part in range(parts)]
+
+
+def read_model_states(folder: Path, manifest: dict) -> dict:
+    return merge_state([_read(folder / name) for name in _model_state_files(manifest)])
+
+
 def _missing_tag_message(folder: Path) -> str:
     available = sorted(p.name for p in folder.parent.glob("*") if (p / MANIFEST).is_file())
     listed = ", ".join(available) if available else "none"
@@ -388,7 +448,8 @@ def _missing_tag_message(folder: Path) -> str:
             f"{listed}); if other ranks found it, the save dir is not shared between nodes")
 
 
-def _check_fits(engine, saved: dict, path: Path, strict: bool) -> None:
+def _check_fits(engine, saved: dict, folder: Path, strict: bool) -> None:
+    path = folder / "model_states.*"
     expected = engine.module.state_dict()
     module = saved.get("module", {})
     differ = [f"{name}: saved {tuple(value.shape)}, model {tuple(expected[name].shape)}"
@@ -484,6 +545,6 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
             raise CheckpointError(f"{folder} is neither a checkpoint tag folder (no {MANIFEST}) "
                                   "nor a save dir with a 'latest' file")
         folder = folder / tag
-    state = _read(folder / MODEL_STATES)["module"]
-    write_state_dict(state, Path(out))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    write_state_dict(read_model_states(folder, manifest)["module"], Path(out))
     return folder

@@ -110,7 +110,7 @@ def test_a_damaged_file_is_named(tmp_path, damage):
     engine, loader = single_engine()
     train(engine, loader, 1)
     engine.save_checkpoint(tmp_path)
-    target = tmp_path / "global_step1" / "model_states.pt"
+    target = tmp_path / "global_step1" / "model_states.0-of-1.pt"
     data = target.read_bytes()
     target.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00garbage" * 100)
     with pytest.raises(Exception, match=rf"{target} cannot be read .* truncated, corrupted"):
@@ -269,7 +269,8 @@ LOADER = """
 
 @pytest.mark.parametrize("kill_file, kill_rank, expected", [
     ("rank1.pt", 1, "first"),              # a rank dies writing its own file
-    ("model_states.pt", 0, "first"),       # rank 0 dies writing the shared state
+    ("model_states.0-of-2.pt", 0, "first"),  # rank 0 dies writing its part of the shared state
+    ("model_states.1-of-2.pt", 1, "first"),  # rank 1 dies writing its part
     ("crew_checkpoint.json", 0, "first"),  # dies while committing, before the rename
     ("latest", 0, "first"),                # dies after the new tag is in place, before `latest`
 ])
@@ -286,3 +287,20 @@ def test_kill_during_save_keeps_the_previous_checkpoint(job_dir, kill_file, kill
     assert load.code == 0, load.err
     loaded = json.loads((job_dir / "loaded.json").read_text())
     assert loaded["path"].endswith(f"ckpt/{expected}") and loaded["steps"] == 1
+
+
+def test_split_state_balances_bytes_and_merges_back():
+    from crew.checkpoint import merge_state, split_state
+
+    engine, loader = single_engine()
+    train(engine, loader, 1)
+    state = {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+             "global_steps": 1}
+    parts = split_state(state, 3)
+    assert [set(p) >= {"module", "optimizer_state"} for p in parts] == [True] * 3
+    assert "global_steps" in parts[0] and "global_steps" not in parts[1]
+    assert all(p["module"] or p["optimizer_state"] for p in parts)  # work for every writer
+    merged = merge_state(parts)
+    assert list(merged["module"]) == list(state["module"])
+    assert merged["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    assert merged["optimizer"]["state"].keys() == state["optimizer"]["state"].keys()
