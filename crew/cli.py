@@ -46,6 +46,18 @@ def _option(parser: argparse.ArgumentParser, *names: str, **kwargs) -> None:
     parser.add_argument(*spellings, dest=dest, **kwargs)
 
 
+def _port(text: str) -> int:
+    if not is_number(text) or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a port number (1-65535)")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not is_number(text):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number >= 0")
+    return int(text)
+
+
 def add_launch_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("launch options")
     _option(group, "-H", "--hostfile", help="hosts to run on: '<host>[:<ssh port>] slots=N "
@@ -57,7 +69,7 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     _option(group, "--num_gpus", "--nproc_per_node", type=int,
             help="ranks per node: the first N slots of each host")
     _option(group, "--master_addr", help="address rank 0 listens on (default: the first node)")
-    _option(group, "--master_port", type=int, help="port rank 0 listens on (default: a free one)")
+    _option(group, "--master_port", type=_port, help="port rank 0 listens on (default: a free one)")
     _option(group, "--launcher", choices=runners.RUNNERS,
             help="how to start each node: local (no hostfile), ssh (hostfile), pdsh, standalone")
     _option(group, "--force_multi", action="store_true",
@@ -72,9 +84,9 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
             help="set a variable for every rank on every node (repeatable)")
     _option(group, "--log_dir", "--enable_each_rank_log", metavar="DIR",
             help="also write each rank's output to DIR/rank<N>.log on its node")
-    _option(group, "--max_restarts", type=int, default=0,
+    _option(group, "--max_restarts", type=_count, default=0,
             help="restart the whole job up to N times after a failure")
-    _option(group, "--ssh_port", type=int, help="ssh port for hosts that give none in the hostfile")
+    _option(group, "--ssh_port", type=_port, help="ssh port for hosts that give none in the hostfile")
     _option(group, "--ssh_args", default="",
             help="extra ssh client arguments, e.g. \"-i ~/.ssh/cluster -F ssh_config\"")
     _option(group, "--python", default=sys.executable,
@@ -250,6 +262,23 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from crew import estimate  # torch only for --model, inside count_parameters
+
+    num_params = estimate.count_parameters(args.model) if args.model else estimate.parse_count(args.params)
+    world_size = estimate.world_size_from(args.world_size, args.num_gpus, args.num_nodes,
+                                          len(_local_devices()))
+    memory = estimate.parse_bytes(args.device_memory) if args.device_memory else None
+    rows = estimate.model_states_per_rank(num_params, world_size, args.precision)
+    if args.json:
+        data = [{**vars(row), **({"fits": estimate.fit(row, memory)} if memory else {})} for row in rows]
+        print(json.dumps({"num_params": num_params, "world_size": world_size, "precision": args.precision,
+                          "device_memory": memory, "rows": data}, indent=2))
+    else:
+        print(estimate.format_table(rows, num_params, world_size, args.precision, memory))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crew", description="Train PyTorch models on many "
                                      "processes across many machines (DeepSpeed-compatible).")
@@ -273,6 +302,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint_dir", help="a save_dir (its 'latest' tag is used) or a tag folder")
     export.add_argument("out", help="output file; a .safetensors name writes safetensors")
     export.set_defaults(handler=cmd_export)
+    est = commands.add_parser("estimate", help="per-rank memory for model states at ZeRO stages 0-3, "
+                              "with and without CPU offload", allow_abbrev=False)
+    source = est.add_mutually_exclusive_group(required=True)
+    _option(source, "--params", help="parameter count, e.g. 7B, 1.3e9, 350M, 125k")
+    _option(source, "--model", metavar="MODULE:FACTORY", help="count the parameters of the model that "
+            "FACTORY() returns (built on the meta device; imports torch)")
+    _option(est, "--world_size", type=int, help="ranks in all (or --num_gpus and --num_nodes)")
+    _option(est, "--num_gpus", type=int, help="ranks per node (default: this machine's GPUs, or 1)")
+    _option(est, "--num_nodes", type=int, help="nodes (default: 1)")
+    _option(est, "--precision", choices=("fp32", "fp16", "bf16"), default="bf16",
+            help="training precision, with Adam (default: bf16)")
+    _option(est, "--device_memory", metavar="SIZE", help="memory per device, e.g. 80GB (binary units); "
+            "adds a column for what fits with 20%% left for activations")
+    _option(est, "--json", action="store_true", help="print the rows as JSON (bytes)")
+    est.set_defaults(handler=cmd_estimate)
     return parser
 
 

@@ -209,6 +209,16 @@ def test_bad_input_is_one_clear_line_not_a_traceback(job_dir, args, expected):
     assert "Traceback" not in result.err
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--max_restarts", "-1"], "--max-restarts: '-1' is not a whole number >= 0"),
+    (["--ssh_port", "70000"], "--ssh-port: '70000' is not a port number (1-65535)"),
+    (["--master_port", "0"], "--master-port: '0' is not a port number (1-65535)"),
+])
+def test_numeric_options_are_checked(job_dir, args, expected):
+    result = crew("run", *args, "x.py", cwd=job_dir)
+    assert result.code == 2 and expected in result.err and "Traceback" not in result.err
+
+
 def test_a_successful_job_exits_promptly(job_dir):
     write_script(job_dir, "quick.py", "print('done')\n")
     result = crew("run", "--num_gpus", "2", "quick.py", cwd=job_dir)
