@@ -11,7 +11,10 @@ during the boundary micro step's backward; non-boundary micro steps skip it (DDP
 
 from __future__ import annotations
 
+import atexit
+import gc
 import time
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -23,6 +26,20 @@ from crew.errors import ConfigError
 from crew.log import log_rank0
 from crew.optim import build_optimizer, build_scheduler
 from crew.precision import Precision, make_precision
+
+
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _release_process_group() -> None:
+    """Tear the process group down while Python is still whole. Left to interpreter shutdown (DDP's
+    reducer keeps it alive), gloo can abort a rank that finished fine: 'terminate called without
+    an active exception'. DeepSpeed scripts never destroy the group themselves."""
+    for engine in list(_LIVE_ENGINES):
+        engine._ddp = None
+    gc.collect()
+    comm.destroy_process_group()
 
 
 class Engine(torch.nn.Module):
@@ -45,6 +62,7 @@ class Engine(torch.nn.Module):
         self.micro_steps = 0
         self._loss_sum: torch.Tensor | None = None
         self._last_print = (time.perf_counter(), 0)
+        _LIVE_ENGINES.add(self)
 
     # -- set-up -------------------------------------------------------------------------------
 

@@ -205,3 +205,25 @@ def test_bf16_trains_with_fp32_master_weights():
         engine.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
+
+
+def test_the_process_group_is_destroyed_at_exit_while_python_is_whole(tmp_path):
+    """Left to interpreter shutdown, gloo sometimes aborts a rank that finished fine (SIGABRT,
+    'terminate called without an active exception'); DeepSpeed scripts never destroy it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "exits.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, torch, torch.distributed as dist
+        import crew
+        # registered before crew.engine is imported, so it runs after crew's own exit handler
+        atexit.register(lambda: print("group at exit:", dist.is_initialized()))
+        engine, _, _, _ = crew.initialize(model=torch.nn.Linear(4, 4), config={
+            "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        print("group during run:", dist.is_initialized())
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "group during run: True" in proc.stdout and "group at exit: False" in proc.stdout
