@@ -246,3 +246,11 @@ def test_plan_prints_the_layout_without_starting_anything(job_dir):
     plan = json.loads(result.out)
     assert plan["world_size"] == 2 and plan["nodes"][0]["ranks"] == [0, 1]
     assert time.monotonic() - started < 2
+
+
+def test_an_agent_that_cannot_be_started_is_reported_not_a_traceback(job_dir):
+    write_script(job_dir, "quick.py", "print('never')\n")
+    result = crew("run", "--python", str(job_dir / "no-such-python"), "quick.py", cwd=job_dir)
+    assert result.code == 127
+    assert "localhost: cannot start" in result.err and "no-such-python" in result.err
+    assert "Traceback" not in result.err

@@ -11,7 +11,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -92,7 +91,8 @@ class JobRun:
         handlers = self._install_signal_handlers()
         try:
             for launch in self.launches:
-                self._start(launch)
+                if self.failure is None:
+                    self._start(launch)
             self._supervise()
         finally:
             for sig, handler in handlers.items():
@@ -112,9 +112,15 @@ class JobRun:
         env = {**os.environ, **launch.env} if launch.env else None
         # Own session: a Ctrl-C reaches only `crew run`, which then stops every node in order.
         # Dies with `crew run`: pdsh would outlive it (it ignores SIGPIPE), keeping nodes busy.
-        proc = subprocess.Popen(launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=env, start_new_session=True,
-                                preexec_fn=die_with_parent)
+        try:
+            proc = subprocess.Popen(launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=env, start_new_session=True,
+                                    preexec_fn=die_with_parent)
+        except OSError as exc:
+            self._fail(127, f"{launch.label}: cannot start '{launch.argv[0]}' ({exc.strerror}). "
+                       "Install it on this machine (ssh: apt-get install openssh-client), or pass "
+                       "--python with an interpreter that exists.")
+            return
         agent = Agent(launch, proc, time.monotonic())
         index = len(self.agents)
         self.agents.append(agent)
@@ -277,9 +283,3 @@ def _describe_rank_failure(event: dict) -> str:
     if event.get("log"):
         lines.append(f"  Log: {event['log']}")
     return "\n".join(lines)
-
-
-def run_job(job: JobSpec, launches: list[AgentLaunch], ports: dict[int, int | None] | None = None,
-            out: BinaryIO | None = None, err: BinaryIO | None = None) -> int:
-    console = Console(out or sys.stdout.buffer, err or sys.stderr.buffer)
-    return JobRun(job, launches, console, ports).run()
