@@ -12,13 +12,14 @@ import importlib
 __version__ = "0.1.0"
 
 __all__ = ["ConfigError", "__version__", "add_config_arguments", "comm", "init_distributed",
-           "initialize"]
+           "initialize", "zero"]
 
 _LAZY = {
     "initialize": ("crew.api", "initialize"),
     "add_config_arguments": ("crew.api", "add_config_arguments"),
     "init_distributed": ("crew.comm", "init_distributed"),
     "comm": ("crew.comm", None),
+    "zero": ("crew.zero", None),
     "ConfigError": ("crew.errors", "ConfigError"),
 }
 

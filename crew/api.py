@@ -37,8 +37,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                             num_workers=2 if on_gpu else 0, pin_memory=on_gpu)
     engine.training_dataloader = loader
     engine.log_batch_math(len(loader) if loader is not None else None)
-    for key in ignored_keys(resolved):
-        log_rank0("config key '%s' is accepted but has no effect in crew", key)
+    no_effect = ignored_keys(resolved) + engine.zero.no_effect_keys()
+    if no_effect:
+        log_rank0("config keys accepted, but with no effect in crew: %s", ", ".join(no_effect))
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

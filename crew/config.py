@@ -94,7 +94,7 @@ class CheckpointConfig(BaseModel):
 
 
 class ZeroConfig(BaseModel):
-    """Only `stage` is typed; other DeepSpeed ZeRO keys are kept in `model_extra`."""
+    """Only `stage` is typed; the other keys are kept in `model_extra` and read by crew/zero.py."""
 
     model_config = ConfigDict(strict=True, extra="allow", frozen=True)
     stage: int = Field(0, ge=0, le=3, description="0 off, 1 optimizer state, 2 +gradients, 3 +parameters.")
@@ -195,6 +195,8 @@ _ZERO_DEEPSPEED_ONLY = frozenset({
     "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
     "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
     "zero_quantized_nontrainable_weights", "zero_quantized_weights", "zeropp_loco_param"})
+# crew/zero.py reads these (and "wrap", crew's own); the rest of DeepSpeed's ZeRO keys have no effect.
+_ZERO_IMPLEMENTED = frozenset({"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "wrap"})
 _BF16_KEYS = (frozenset(BF16Config.model_fields), frozenset({
     "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow", "check_overflow",
     "immediate_grad_update"}))
@@ -202,7 +204,7 @@ _SECTIONS = {
     "fp16": (frozenset(FP16Config.model_fields), frozenset({"fp16_master_weights_and_grads", "fused_mode"})),
     "bf16": _BF16_KEYS,
     "bfloat16": _BF16_KEYS,
-    "zero_optimization": (frozenset({"stage"}), _ZERO_DEEPSPEED_ONLY),
+    "zero_optimization": (_ZERO_IMPLEMENTED, _ZERO_DEEPSPEED_ONLY - _ZERO_IMPLEMENTED),
     "optimizer": (frozenset({"type", "params"}), frozenset({"legacy_fusion"})),
     "scheduler": (frozenset({"type", "params"}), frozenset()),
     "checkpoint": (frozenset(CheckpointConfig.model_fields), frozenset({

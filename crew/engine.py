@@ -5,8 +5,10 @@
     engine.step()               boundary only: unscale, clip, optimizer and scheduler step, zero,
                                 count; every other micro step just counts
 
-Gradients are averaged across ranks by DistributedDataParallel's bucketed all-reduce, which runs
-during the boundary micro step's backward; non-boundary micro steps skip it (DDP `no_sync`).
+At ZeRO stages 0-1 gradients are averaged across ranks by DistributedDataParallel's bucketed
+all-reduce, which runs during the boundary micro step's backward; non-boundary micro steps skip it
+(DDP `no_sync`). Stage 1 steps the optimizer through ZeroRedundancyOptimizer; stages 2-3 shard the
+model with FSDP2, which reduce-scatters on every micro step (crew/zero.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-from crew import checkpoint, comm
+from crew import checkpoint, comm, zero
 from crew.config import Config
 from crew.errors import ConfigError
 from crew.log import log_rank0
@@ -29,6 +30,10 @@ from crew.precision import Precision, make_precision
 
 
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_engines() -> list[Engine]:
+    return list(_LIVE_ENGINES)
 
 
 @atexit.register
@@ -51,11 +56,13 @@ class Engine(torch.nn.Module):
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
         self.device = _device(self.local_rank)
-        self.precision: Precision = make_precision(config.fp16, config.bf16)
-        self.precision.cast_module(model)
-        self.module = model.to(self.device)
-        self._ddp = self._wrap(model)
-        self.optimizer = self._optimizer(optimizer, model_parameters)
+        self.zero = zero.Zero(config.zero_optimization, self.world_size, self.device)
+        self.precision: Precision = make_precision(config.fp16, config.bf16,
+                                                   sharded=self.zero.shards_params)
+        self.module, replaced = self._place(model)
+        self._ddp = self.zero.wrap_ddp(model)
+        self.optimizer = self.zero.shard_optimizer(
+            self._optimizer(optimizer, model_parameters, replaced))
         self.lr_scheduler = self._scheduler(lr_scheduler)
         self.global_steps = 0
         self.global_samples = 0
@@ -66,22 +73,28 @@ class Engine(torch.nn.Module):
 
     # -- set-up -------------------------------------------------------------------------------
 
-    def _wrap(self, model: torch.nn.Module) -> DistributedDataParallel | None:
-        if self.world_size == 1:
-            return None
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)  # also broadcasts rank 0's weights
+    def _place(self, model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
+        """Cast and move (stages 0-1) or shard (stages 2-3) the model; a model built under
+        zero.Init is materialised here. Returns it and {id(param before): param after}."""
+        if self.zero.shards_params:
+            self.precision.cast_module(model)  # checks the dtype's kernels; FSDP2 does the casting
+            if not zero.is_deferred(model):
+                model.to(self.device)
+            return model, self.zero.shard(model, self.precision.sharded_compute_dtype)
+        replaced = zero.materialise(model, self.device)
+        self.precision.cast_module(model)
+        return model.to(self.device), replaced
 
-    def _optimizer(self, client, model_parameters) -> torch.optim.Optimizer:
+    def _optimizer(self, client, model_parameters, replaced: dict) -> torch.optim.Optimizer:
         section = self.config.optimizer
         if client is not None and section is not None:
             raise ConfigError(
                 f"{self.config.source}: an optimizer is given both to initialize(optimizer=...) and "
                 "in the config's 'optimizer' section. Keep one of them.")
-        groups = _param_groups(model_parameters, self.module)
+        groups = _param_groups(model_parameters, self.module, replaced)
         if isinstance(client, torch.optim.Optimizer):
             params = _flat(client.param_groups)
-            masters = self.precision.master_params(params)
+            masters = self.precision.master_params([replaced.get(id(p), p) for p in params])
             if any(m is not p for m, p in zip(masters, params, strict=True)):
                 _rebind(client, masters)
             return client
@@ -211,12 +224,17 @@ def _device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _param_groups(model_parameters, module: torch.nn.Module) -> list[dict]:
-    """initialize(model_parameters=...) as param groups: tensors, or dicts with 'params'."""
+def _param_groups(model_parameters, module: torch.nn.Module, replaced: dict) -> list[dict]:
+    """initialize(model_parameters=...) as param groups: tensors, or dicts with 'params'; a param
+    that sharding replaced is swapped for its sharded successor."""
     items = list(model_parameters) if model_parameters is not None else list(module.parameters())
     if items and isinstance(items[0], dict):
-        return [dict(group, params=list(group["params"])) for group in items]
-    return [{"params": items}]
+        groups = [dict(group, params=list(group["params"])) for group in items]
+    else:
+        groups = [{"params": items}]
+    for group in groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    return groups
 
 
 def _with_master_params(groups: list[dict], precision: Precision) -> list[dict]:

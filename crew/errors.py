@@ -38,7 +38,11 @@ def install_excepthook() -> None:
     def hook(kind, error, tb):
         if not isinstance(error, CrewError):
             return previous(kind, error, tb)
-        frames = [f for f in traceback.extract_tb(tb) if "/crew/" not in f.filename]
+        frames = []  # the caller's frames, up to the first call into crew
+        for frame in traceback.extract_tb(tb):
+            if "/crew/" in frame.filename:
+                break
+            frames.append(frame)
         where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
         print(f"crew: error{where}: {error}", file=sys.stderr)
 

@@ -260,6 +260,11 @@ class Precision:
     def loss_scale(self) -> float:
         return 1.0
 
+    @property
+    def sharded_compute_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP2's MixedPrecisionPolicy gathers parameters in (None: as they are)."""
+        return None
+
     def cast_module(self, module: torch.nn.Module) -> None:
         pass
 
@@ -360,15 +365,8 @@ class _MasterWeights(Precision):
         for master in self._masters:
             master.grad = None
 
-    @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        try:
-            yield
-        except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
-            message = _explain(exc, self.dtype, self._device.upper())
-            if message is None:
-                raise
-            raise CrewError(message) from exc
+    def guard(self) -> contextlib.AbstractContextManager:
+        return _explained(self.dtype, self._device)
 
     def state_dict(self) -> dict[str, Any]:
         # The fp32 masters carry the bits the model copy lost; DeepSpeed saves them as well.
@@ -393,6 +391,17 @@ class _MasterWeights(Precision):
                                 f"checkpoint of the same model.")
             master.copy_(value)
         self.copy_master_to_model()
+
+
+@contextlib.contextmanager
+def _explained(dtype: torch.dtype, device: str) -> Iterator[None]:
+    try:
+        yield
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
+        message = _explain(exc, dtype, device.upper())
+        if message is None:
+            raise
+        raise CrewError(message) from exc
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
@@ -424,11 +433,7 @@ class _Fp16(_MasterWeights):
         return loss.float() * self.scaler.cur_scale
 
     def _found_overflow(self) -> bool:
-        grads = [_local(p.grad) for p in self._model_params if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        finite = [torch.isfinite(g).all().to(device) for g in grads]  # one sync, not one per grad
-        local = bool(torch.stack(finite).logical_not().any()) if grads else False
-        return _any_rank(local, device)
+        return _overflow(self._model_params)
 
     def unscale_grads(self) -> bool:
         # As FP16_Optimizer.step: check the fp16 grads first, skip with cleared master grads on
@@ -450,6 +455,73 @@ class _Fp16(_MasterWeights):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+
+def _overflow(params: list[torch.nn.Parameter]) -> bool:
+    """An inf/nan in any gradient on any rank."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    finite = [torch.isfinite(g).all().to(device) for g in grads]  # one sync, not one per grad
+    local = bool(torch.stack(finite).logical_not().any()) if grads else False
+    return _any_rank(local, device)
+
+
+class _Sharded(Precision):
+    """fp16/bf16 under ZeRO stages 2-3: the fp32 sharded parameters are the master weights and
+    FSDP2's MixedPrecisionPolicy gathers them in the 16-bit dtype for compute. fp16 keeps the loss
+    scale: gradients are checked for inf/nan and unscaled in place."""
+
+    def __init__(self, dtype: torch.dtype, scaler: LossScaler | None) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.scaler = scaler
+        self._device = "cpu"
+
+    @property
+    def sharded_compute_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.cur_scale if self.scaler else 1.0
+
+    def cast_module(self, module: torch.nn.Module) -> None:
+        first = next(module.parameters(), None)
+        device = first.device if first is not None and not first.is_meta else torch.device("cpu")
+        self._device = device.type
+        check_supported(self.dtype, device)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.float() * self.scaler.cur_scale if self.scaler else loss
+
+    @torch.no_grad()
+    def unscale_grads(self) -> bool:
+        if self.scaler is None:
+            return False
+        if _overflow(self._model_params):
+            self.zero_model_grads()
+            return True
+        for param in self._model_params:
+            if param.grad is not None and self.scaler.cur_scale != 1.0:
+                param.grad.mul_(1.0 / self.scaler.cur_scale)
+        return False
+
+    def update_scale(self, overflow: bool) -> None:
+        if self.scaler is not None:
+            self.scaler.update_scale(overflow)
+        super().update_scale(overflow)
+
+    def guard(self) -> contextlib.AbstractContextManager:
+        return _explained(self.dtype, self._device)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        return {**state, "loss_scaler": self.scaler.state_dict()} if self.scaler else state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.scaler is not None and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
 
 
@@ -487,14 +559,18 @@ def _make_scaler(fp16: Any) -> LossScaler:
                              consecutive_hysteresis=bool(fp16.consecutive_hysteresis))
 
 
-def make_precision(fp16_config: Any, bf16_config: Any) -> Precision:
-    """The Precision for the config's fp16 / bf16 sections (either may be None: disabled)."""
+def make_precision(fp16_config: Any, bf16_config: Any, sharded: bool = False) -> Precision:
+    """The Precision for the config's fp16 / bf16 sections (either may be None: disabled);
+    `sharded`: for ZeRO stages 2-3, where FSDP2 does the casting."""
     fp16_on = bool(getattr(fp16_config, "enabled", False))
     bf16_on = bool(getattr(bf16_config, "enabled", False))
     if fp16_on and bf16_on:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; pick one: set "
                           "bf16.enabled to false for fp16 with loss scaling, or fp16.enabled to "
                           "false for bf16.")
+    if sharded and (fp16_on or bf16_on):
+        return _Sharded(torch.float16, _make_scaler(fp16_config)) if fp16_on \
+            else _Sharded(torch.bfloat16, None)
     if fp16_on:
         return _Fp16(_make_scaler(fp16_config))
     if bf16_on:
