@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import gc
 import time
+import warnings
 import weakref
 from collections.abc import Iterable
 
@@ -148,7 +149,11 @@ class Engine(torch.nn.Module):
             self.optimizer.step()
             self.precision.copy_master_to_model()
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+                with warnings.catch_warnings():
+                    # The order is right by construction; at stage 1 a client scheduler watches the
+                    # optimizer ZeroRedundancyOptimizer replaced, which never steps itself.
+                    warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
         self.precision.update_scale(overflow)
         self.zero_grad()
         self.global_steps += 1

@@ -111,12 +111,18 @@ class Zero:
         if self.stage != 1:
             return optimizer
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        groups = [dict(group) for group in optimizer.param_groups]
         cls = type(optimizer)
         accepted = inspect.signature(cls.__init__).parameters
         # defaults can hold entries the constructor does not take (AdamW: decoupled_weight_decay)
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
+        try:
+            # The same group dicts: a scheduler built on `optimizer` still sets the lr that is used.
+            return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=cls, **defaults)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"zero_optimization.stage 1 rebuilds the optimizer as ZeroRedundancyOptimizer("
+                f"optimizer_class={cls.__name__}, ...), which failed: {exc}. Use a torch.optim "
+                "optimizer, or stage 0, 2 or 3.") from None
 
 
 # -- wrapping ---------------------------------------------------------------------------------
@@ -215,12 +221,18 @@ def _offload(extra: dict, stage: int, device: torch.device) -> dict | None:
 
 # -- deferred construction (zero.Init) --------------------------------------------------------
 
+_INIT_RNG_STATE: torch.Tensor | None = None  # the CPU generator's state when the Init block ended
+
+
 class Init:
     """`with crew.zero.Init(): model = Model()`: build the model without allocating its weights
     (on torch's meta device). The engine materialises it one FSDP2 unit at a time: each unit's
-    parameters are allocated, initialised by the modules' reset_parameters() (the same values on
-    every rank, from the same seed), sharded, and only then is the next unit allocated. Accepts
-    and ignores DeepSpeed's arguments (module, data_parallel_group, config_dict_or_path, ...)."""
+    parameters are allocated, initialised by the modules' reset_parameters(), sharded, and only
+    then is the next unit allocated. The random state is rank 0's as it was at the end of the
+    block (building on meta draws no random numbers), so every rank gets the same values, and a
+    model whose units are built in order (a stack of blocks) gets the values it would have had
+    without Init. Accepts and ignores DeepSpeed's other arguments (data_parallel_group,
+    config_dict_or_path, ...)."""
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
                  remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
@@ -238,7 +250,11 @@ class Init:
         return self
 
     def __exit__(self, *exc) -> None:
+        global _INIT_RNG_STATE
         if self._device_context is not None:
+            # Building on meta drew no random numbers: this is the state the first draw would have
+            # seen, including a torch.manual_seed() called inside the block.
+            _INIT_RNG_STATE = torch.get_rng_state()
             self._device_context.__exit__(*exc)
             self._device_context = None
 
@@ -268,7 +284,7 @@ def _materialising(model: torch.nn.Module) -> Iterator[dict]:
         return
     _check_resettable(model)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_agreed_seed())
+        torch.set_rng_state(_agreed_rng_state())
         yield {}
 
 
@@ -312,13 +328,12 @@ def _check_resettable(model: torch.nn.Module) -> None:
             "outside `with crew.zero.Init():`.")
 
 
-def _agreed_seed() -> int:
-    """One seed for every rank, drawn from rank 0's generator: each unit gets the same values
-    everywhere before it is sharded."""
-    seed = torch.randint(0, 2**62, (1,))
+def _agreed_rng_state() -> torch.Tensor:
+    """Rank 0's random state from the end of the zero.Init block: the same values on every rank."""
+    state = _INIT_RNG_STATE.clone() if _INIT_RNG_STATE is not None else torch.get_rng_state()
     if comm.get_world_size() > 1:
-        comm.broadcast(seed, 0)
-    return int(seed.item())
+        comm.broadcast(state, 0)
+    return state
 
 
 # -- GatheredParameters -----------------------------------------------------------------------
@@ -340,12 +355,15 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._full: list[torch.Tensor] = []
+        self._kept: list[torch.Tensor | None] = []
         self._swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
 
     def __enter__(self) -> list[torch.Tensor]:
         if not self.enabled:
             return self.params
         self._full = [_gather(p) for p in self.params]
+        self._kept = [p.detach().clone() if full is p and self.modifier_rank is None else None
+                      for p, full in zip(self.params, self._full)]
         self._swapped = [(owner, name, param) for param, full in zip(self.params, self._full)
                          if full is not param for owner, name in _owners(param)]
         by_id = {id(p): f for p, f in zip(self.params, self._full)}
@@ -358,14 +376,20 @@ class GatheredParameters:
             return
         for owner, name, param in self._swapped:
             owner._parameters[name] = param
-        if self.modifier_rank is not None and exc[0] is None:
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.modifier_rank is None:
+                for param, kept in zip(self.params, self._kept):
+                    if kept is not None:
+                        param.copy_(kept)
+            elif exc[0] is None:
                 for param, full in zip(self.params, self._full):
                     _write_back(param, full, self.modifier_rank)
-        self._full, self._swapped = [], []
+        self._full, self._swapped, self._kept = [], [], []
 
 
 def _gather(param: torch.Tensor) -> torch.Tensor:
+    """A whole copy of a sharded param; an unsharded one is itself (its values are kept aside so
+    that, without a modifier rank, changes are dropped at every stage alike)."""
     if not _is_dtensor(param):
         return param
     with torch.no_grad():

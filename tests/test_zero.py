@@ -1,0 +1,305 @@
+"""ZeRO stages 1-3 (crew/zero.py) in real gloo processes: stage 0's losses, the memory each stage's
+theory promises, zero.Init, GatheredParameters, and the zero_optimization keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist import run_ranks
+
+STEPS = 20
+MICRO, ACCUMULATION, WORLD = 4, 2, 2
+
+
+def make_model(blocks: int = 4, width: int = 16) -> torch.nn.Module:
+    layers = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(blocks)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def config(stage: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
+            "gradient_clipping": 0.5, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": stage}, **extra}
+
+
+def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a collective at stages 2-3, where they are DTensor shards)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for name, p in module.named_parameters()}
+
+
+def train(rank: int, stage: int, steps: int = STEPS, **extra) -> dict:
+    """The mean loss over both ranks per step, and the final weights."""
+    import crew
+
+    torch.manual_seed(0)
+    engine, _, _, _ = crew.initialize(model=make_model(), config=config(stage, **extra))
+    dtype = next(engine.module.parameters()).dtype if stage < 2 else engine.precision.dtype
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        for _ in range(ACCUMULATION):
+            inputs = torch.randn(MICRO * WORLD, 16, generator=generator)
+            targets = inputs.sum(dim=1, keepdim=True).sin()
+            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+            loss = torch.nn.functional.mse_loss(engine(inputs[mine].to(dtype)).float(), targets[mine])
+            engine.backward(loss)
+            engine.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / WORLD)
+    return {"losses": losses, "params": full_params(engine.module), "steps": engine.global_steps,
+            "optimizer": type(engine.optimizer).__name__,
+            "sharded": [type(p).__name__ for p in engine.module.parameters()]}
+
+
+def every_stage(rank: int, **extra) -> dict:
+    return {stage: train(rank, stage, **extra) for stage in range(4)}
+
+
+def test_stages_1_2_3_give_stage_0s_losses_and_weights_with_accumulation_and_clipping():
+    ranks = run_ranks(every_stage, WORLD)
+    base = ranks[0][0]
+    assert base["steps"] == STEPS and base["losses"][-1] < base["losses"][0]
+    for stage in (1, 2, 3):
+        for rank in ranks:
+            torch.testing.assert_close(rank[stage]["losses"], base["losses"], rtol=1e-5, atol=1e-7)
+            for name, value in base["params"].items():
+                torch.testing.assert_close(rank[stage]["params"][name], value, rtol=1e-5, atol=1e-6)
+    # each stage really runs on its own machinery
+    assert ranks[0][1]["optimizer"] == "ZeroRedundancyOptimizer"
+    assert set(ranks[0][2]["sharded"]) == set(ranks[0][3]["sharded"]) == {"DTensor"}
+    assert set(ranks[0][0]["sharded"]) == {"Parameter"}
+
+
+def low_precision(rank: int) -> dict:
+    return {(stage, kind): train(rank, stage, steps=8, **{kind: {"enabled": True}})
+            for stage in (0, 3) for kind in ("bf16", "fp16")}
+
+
+def test_bf16_and_fp16_at_stage_3_track_stage_0():
+    # Stage 0 keeps a 16-bit model with fp32 masters and reduces 16-bit gradients; stage 3 keeps fp32
+    # shards, computes in 16 bits and reduces in fp32: the same training, not the same bits.
+    runs = run_ranks(low_precision, WORLD)[0]
+    for kind in ("bf16", "fp16"):
+        torch.testing.assert_close(runs[(3, kind)]["losses"], runs[(0, kind)]["losses"], rtol=2e-2, atol=1e-3)
+        assert runs[(3, kind)]["losses"][-1] < runs[(3, kind)]["losses"][0]
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+MEMORY_BLOCKS, MEMORY_WIDTH = 64, 96
+
+
+def tracked_bytes_per_param(rank: int, stage: int) -> float:
+    """Everything torch's memory tracker sees allocated at the peak of one training step, per
+    parameter. The batch is tiny, so this is parameters, gradients and optimizer state, plus
+    FSDP2's communication buffers and temporaries: at least the model states, never less."""
+    import crew
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model = make_model(MEMORY_BLOCKS, MEMORY_WIDTH)
+    count = sum(p.numel() for p in model.parameters())
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "steps_per_print": 1000,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = crew.initialize(model=model, config=ds_config)
+
+    def step() -> None:
+        engine.backward(engine(torch.randn(1, MEMORY_WIDTH)).pow(2).mean())
+        engine.step()
+
+    step()  # the optimizer state exists from the first step on
+    optimizer = engine.optimizer.optim if stage == 1 else engine.optimizer  # ZeRO-1's local part
+    if stage >= 2:
+        tracker = FSDPMemTracker(engine.module, optimizer)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(engine.module, optimizer)
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return max(peak.values()) / count  # the "Total" entry
+
+
+def memory_by_stage(rank: int) -> dict:
+    return {stage: tracked_bytes_per_param(rank, stage) for stage in range(4)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_per_rank_match_each_stages_theory_within_10_percent(world):
+    theory = {0: 16, 1: 4 + 4 + 8 / world, 2: 4 + (4 + 8) / world, 3: 16 / world}  # fp32 Adam
+    for rank, measured in enumerate(run_ranks(memory_by_stage, world)):
+        for stage, expected in theory.items():
+            assert expected <= measured[stage] * 1.001, (rank, stage, measured[stage], expected)
+            assert measured[stage] <= expected * 1.10, (rank, stage, measured[stage], expected)
+
+
+# -- zero.Init --------------------------------------------------------------------------------
+
+def init_then_train(rank: int, stage: int) -> dict:
+    import crew
+
+    torch.manual_seed(0)
+    with crew.zero.Init():
+        deferred = make_model()
+    on_meta = all(p.is_meta for p in deferred.parameters())
+    torch.manual_seed(0)
+    expected = {name: p.detach().clone() for name, p in make_model().named_parameters()}
+    engine, _, _, _ = crew.initialize(model=deferred, config=config(stage))
+    materialised = full_params(engine.module)
+    engine.backward(engine(torch.randn(MICRO, 16)).pow(2).mean())
+    engine.step()
+    return {"on_meta": on_meta, "expected": expected, "materialised": materialised}
+
+
+def init_at_stages_3_and_0(rank: int) -> list[dict]:
+    return [init_then_train(rank, stage) for stage in (3, 0)]
+
+
+def test_zero_init_builds_on_meta_and_materialises_the_same_weights_on_every_rank():
+    for result in [r for rank in run_ranks(init_at_stages_3_and_0, WORLD) for r in rank]:
+        assert result["on_meta"]
+        assert result["materialised"].keys() == result["expected"].keys()
+        for name, value in result["expected"].items():
+            torch.testing.assert_close(result["materialised"][name], value, rtol=0, atol=0)
+
+
+class NoReset(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(3))
+
+
+def test_zero_init_names_modules_it_cannot_initialise():
+    import crew
+    from crew.errors import CrewError
+
+    with crew.zero.Init():
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), NoReset())
+    with pytest.raises(CrewError, match=r"NoReset own parameters or buffers but have no reset_parameters"):
+        crew.initialize(model=model, config=config(3))
+
+
+# -- GatheredParameters -----------------------------------------------------------------------
+
+def gather_and_modify(rank: int, stage: int, precision: str | None) -> dict:
+    import crew
+
+    torch.manual_seed(0)
+    extra = {precision: {"enabled": True}} if precision else {}
+    engine, _, _, _ = crew.initialize(model=make_model(), config=config(stage, **extra))
+    first = engine.module[0][0]
+    with crew.zero.GatheredParameters([first.weight, first.bias], modifier_rank=None) as whole:
+        shapes = (tuple(first.weight.shape), tuple(whole[0].shape))
+        first.weight.data.fill_(5.0)  # dropped: no modifier rank
+    after_dropped = full_params(engine.module)["0.0.weight"]
+    with crew.zero.GatheredParameters(first.weight, modifier_rank=0):
+        first.weight.data.fill_(float(rank + 1))  # rank 0 writes 1.0; rank 1's 2.0 must lose
+    after_written = full_params(engine.module)["0.0.weight"]
+    master = engine.precision.master_of(first.weight)
+    master_value = (master.full_tensor() if hasattr(master, "full_tensor") else master).detach().float()
+    return {"shapes": shapes, "after_dropped": after_dropped, "after_written": after_written,
+            "master": master_value}
+
+
+def gather_at_every_stage(rank: int) -> list[dict]:
+    return [gather_and_modify(rank, stage, precision)
+            for stage, precision in [(3, None), (2, "bf16"), (0, "bf16"), (1, None)]]
+
+
+def test_gathered_parameters_show_whole_tensors_and_write_back_the_modifier_ranks_values():
+    for result in [r for rank in run_ranks(gather_at_every_stage, WORLD) for r in rank]:
+        assert result["shapes"] == ((16, 16), (16, 16))
+        assert not torch.all(result["after_dropped"] == 5.0)
+        assert torch.all(result["after_written"] == 1.0)
+        assert torch.all(result["master"] == 1.0)  # the fp32 copy the optimizer steps moved too
+
+
+# -- zero_optimization keys -------------------------------------------------------------------
+
+def zero_of(section: dict, device: str = "cpu"):
+    from crew.config import Config
+    from crew.zero import Zero
+
+    resolved = Config.from_dict({"train_micro_batch_size_per_gpu": 1, "zero_optimization": section}, 2)
+    return Zero(resolved.zero_optimization, 2, torch.device(device))
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"stage": 3, "wrap": "layers"}, r"zero_optimization.wrap is 'layers'; use \"blocks\""),
+    ({"stage": 2, "reduce_bucket_size": -1}, r"reduce_bucket_size must be a number of elements >= 1"),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, r"offload_optimizer.device is 'nvme'"),
+    ({"stage": 2, "offload_param": "cpu"}, r"offload_param must be an object like"),
+])
+def test_bad_zero_values_are_clear_errors(section, message):
+    from crew.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        zero_of(section)
+
+
+def test_offload_is_a_logged_no_op_on_cpu_and_needs_stage_2_or_3_on_gpus(capsys):
+    from crew.errors import ConfigError
+
+    assert zero_of({"stage": 1, "offload_optimizer": {"device": "cpu"}}).offload is None
+    assert "offload_optimizer to cpu has no effect, training already runs on the CPU" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"offload_optimizer needs stage 2 or 3 in crew"):
+        zero_of({"stage": 1, "offload_optimizer": {"device": "cpu"}}, device="cuda")
+    assert zero_of({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False}},
+                   device="cuda").offload == {"pin_memory": False}
+
+
+def test_wrap_rules_pick_the_block_stack_the_children_or_named_classes():
+    from crew.errors import ConfigError
+    from crew.zero import wrap_units
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 16), torch.nn.ModuleList(make_model(3).children()))
+    blocks = wrap_units(model, "blocks")
+    assert blocks == list(model[1])[:3]  # the repeated blocks, not the lone head Linear
+    assert wrap_units(model, "children") == [model[0], model[1]]
+    assert wrap_units(model, ("Linear",)) == [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    with pytest.raises(ConfigError, match=r"names \['Block'\], but the model has none.*'Embedding'"):
+        wrap_units(model, ("Block",))
+    flat = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.LayerNorm(2))
+    assert wrap_units(flat, "blocks") == [flat[0], flat[2]]  # no repeated stack: the children
+
+
+def test_no_effect_keys_are_listed_once_at_start(capsys):
+    import crew
+
+    ds_config = config(3)
+    ds_config["zero_optimization"].update(overlap_comm=True, reduce_bucket_size=5e7,
+                                          stage3_prefetch_bucket_size=5e7)
+    crew.initialize(model=make_model(), config=ds_config)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "no effect" in line]
+    assert len(lines) == 1
+    for key in ("overlap_comm", "stage3_prefetch_bucket_size", "reduce_bucket_size"):
+        assert f"zero_optimization.{key}" in lines[0]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_client_optimizer_and_scheduler_keep_working_in_a_world_of_one(stage):
+    import crew
+
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    engine, engine_optimizer, _, engine_scheduler = crew.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler,
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}})
+    assert engine_scheduler is scheduler
+    lrs = []
+    for _ in range(3):
+        before = full_params(engine.module)["0.0.weight"]
+        engine.backward(engine(torch.randn(2, 16)).pow(2).mean())
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+        assert not torch.equal(full_params(engine.module)["0.0.weight"], before)  # it stepped
+    assert lrs == [0.5, 0.25, 0.125]
+    if stage == 1:  # ZeRO-1 copies the lr into the optimizer that steps its shard, at each step
+        assert engine_optimizer.optim.param_groups[0]["lr"] == 0.25  # the lr of the third step
