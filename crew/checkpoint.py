@@ -5,16 +5,25 @@ calls), written so that no crash can destroy the last good one.
       latest                  the newest complete tag; written last, after every rank finished
       <tag>/
         model_states.<i>-of-<k>.pt
-                              fp32 module, optimizer, scheduler, precision, counters, config, version,
-                              in k byte-balanced parts written in parallel by k ranks (the state is
-                              replicated, so each rank serialises and fsyncs only its part)
+                              ZeRO stages 0-1: fp32 module, optimizer (whole, with the parameter
+                              names), scheduler, precision, counters, config, version. Stage 0: k
+                              byte-balanced parts written in parallel by k ranks (the state is
+                              replicated, so each rank serialises and fsyncs only its part); stage 1:
+                              one part, by the rank the optimizer state is consolidated to
+        sharded/              ZeRO stages 2-3: model and optimizer shards by parameter name, one DCP
+                              checkpoint written by all ranks in parallel (crew/checkpoint_sharded.py)
+        engine_state.pt       stages 2-3: all the rest (optimizer param groups, scheduler, ...)
         client_state.pt       the user's client_state
         rank<R>.pt            rank R's RNG states and data loader position
-        crew_checkpoint.json  manifest: world size, placement, version (its presence = complete)
+        crew_checkpoint.json  manifest: world size, placement, ZeRO stage, format, version (its
+                              presence = complete)
 
 A tag is built in `.<tag>.partial-<token>` and renamed into place only when every rank has written
 and fsynced its files, so a kill at any moment leaves the previous checkpoint and `latest` intact.
-Without a shared filesystem each node's ranks write the node's own copy of the shared files.
+Without a shared filesystem each node's ranks write the node's own copy of the shared files
+(stages 0-1; a sharded checkpoint needs a filesystem every node shares). Both formats load on any
+world size and at any stage: stage 0-1 engines read a sharded checkpoint whole, stage 2-3 engines
+place a whole one into their shards; the optimizer state moves between them by parameter name.
 Loading uses torch.load(weights_only=True).
 """
 
@@ -42,6 +51,9 @@ from crew.log import log_rank0, warn_once
 MANIFEST = "crew_checkpoint.json"
 MODEL_STATES = "model_states.{part}-of-{parts}.pt"
 CLIENT_STATE = "client_state.pt"
+ENGINE_STATE = "engine_state.pt"  # stages 2-3: what is not in the sharded folder
+SHARDED_DIR = "sharded"
+REPLICATED, SHARDED = "replicated", "sharded"  # the manifest's "format"
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 _RENAME_EXCHANGE = 2
 
@@ -56,23 +68,31 @@ def _where() -> str:
     return f"rank {comm.get_rank()} on {os.environ.get('CREW_HOST') or socket.gethostname()}"
 
 
+def _all_gather(value: Any) -> list:
+    """`value` from every rank, in rank order (a collective; [value] without a process group)."""
+    if comm.get_world_size() == 1 or not torch.distributed.is_initialized():
+        return [value]
+    values = [None] * comm.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
 def _agree(problem: str | None, what: str) -> None:
     """Every rank raises the same error if any rank had a problem: nobody waits on a dead rank."""
-    problems = [problem]
-    if comm.get_world_size() > 1 and torch.distributed.is_initialized():
-        problems = [None] * comm.get_world_size()
-        torch.distributed.all_gather_object(problems, problem)
-    found = [p for p in problems if p]
+    found = [p for p in _all_gather(problem) if p]
     if found:
         shown = "\n  ".join(found[:8]) + (f"\n  ... and {len(found) - 8} more" if len(found) > 8 else "")
         raise CheckpointError(f"{what} failed on {len(found)} rank(s):\n  {shown}")
 
 
 def _attempt(action, *args) -> str | None:
+    """None, or what went wrong on this rank: every rank must reach the next _agree."""
     try:
         action(*args)
     except (OSError, RuntimeError, ValueError, CrewError) as exc:
         return f"{_where()}: {exc}"
+    except Exception as exc:  # e.g. a KeyError from torch's state dict code: still no hang
+        return f"{_where()}: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -164,17 +184,27 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
     token = _broadcast_token()
     staging = save_dir / f".{tag}.partial-{token}"
     shared = _detect_shared(save_dir, staging, token)
-    part, parts = _my_part(shared)
-    writes_shared_files = part == 0
-    _agree(_attempt(_write_files, engine, staging, client_state or {}, part, parts),
-           f"save_checkpoint({save_dir}, tag={tag})")
+    what = f"save_checkpoint({save_dir}, tag={tag})"
+    sharded = engine.zero.shards_params
+    if sharded and not shared:
+        shutil.rmtree(staging, ignore_errors=True)  # each node's own, holding only the marker
+        raise CheckpointError(
+            f"{what}: ZeRO stage 2/3 checkpoints are written as one sharded checkpoint; save_dir "
+            f"must be on a filesystem every node shares, and {save_dir} is not (each node sees "
+            "only its own files there). Point save_dir at a shared filesystem (NFS, Lustre, ...).")
+    part, parts = _my_part(shared, split=engine.zero.stage == 0)
+    optimizer_state = None if sharded else _whole_optimizer_state(engine, writer=part is not None)
+    _agree(_attempt(_write_files, engine, staging, client_state or {}, part, parts, optimizer_state),
+           what)
+    if sharded:
+        _agree(_attempt(_write_shards, engine, staging), what)
     hosts = _placement()  # a collective: every rank, before only the writers go on
     comm.barrier()  # every rank's files are on disk before any tag appears
-    if writes_shared_files:
-        problem = _attempt(_commit, engine, staging, save_dir, tag, save_latest, hosts, parts)
-    else:
-        problem = None
-    _agree(problem, f"save_checkpoint({save_dir}, tag={tag})")
+    problem = None
+    if part == 0:  # the rank that wrote the shared files commits
+        problem = _attempt(_commit, engine, staging, save_dir, tag, save_latest, hosts,
+                           None if sharded else parts)
+    _agree(problem, what)
     log_rank0("saved checkpoint %s", save_dir / tag)
     return True
 
@@ -187,10 +217,7 @@ def _tag_problem(tag: str) -> str | None:
 
 
 def _same_everywhere(value: str, name: str) -> str | None:
-    if comm.get_world_size() == 1 or not torch.distributed.is_initialized():
-        return None
-    values = [None] * comm.get_world_size()
-    torch.distributed.all_gather_object(values, value)
+    values = _all_gather(value)
     if len(set(values)) > 1:
         return f"{_where()}: the ranks passed different {name}s: {values}; pass the same on every rank"
     return None
@@ -213,30 +240,63 @@ def _detect_shared(save_dir: Path, staging: Path, token: str) -> bool:
     shared = marker.exists()
     if not shared:
         staging.mkdir(parents=True, exist_ok=True)
-    flags = [shared]
-    if comm.get_world_size() > 1 and torch.distributed.is_initialized():
-        flags = [None] * comm.get_world_size()
-        torch.distributed.all_gather_object(flags, shared)
-    return all(flags)
+    return all(_all_gather(shared))
 
 
-def _my_part(shared: bool) -> tuple[int | None, int]:
-    """Which part of the replicated state this rank writes: all ranks share the work on one
-    filesystem; without one, each node's ranks write the node's own full copy."""
+def _my_part(shared: bool, split: bool) -> tuple[int | None, int]:
+    """Which part of the shared files this rank writes (None: only its own rank file). On one
+    filesystem all ranks share the work when `split` (stage 0), else rank 0 writes them; without
+    one, each node's ranks write the node's own full copy (in parts, or its first rank alone)."""
     if shared:
-        return comm.get_rank(), comm.get_world_size()
-    parts = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if split:
+            return comm.get_rank(), comm.get_world_size()
+        return (0 if comm.get_rank() == 0 else None), 1
+    parts = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if split else 1
     local = comm.get_local_rank()
     return (local if local < parts else None), parts
 
 
-def _write_files(engine, staging: Path, client_state: dict, part: int | None, parts: int) -> None:
+def _whole_optimizer_state(engine, writer: bool) -> dict | None:
+    """The optimizer's state dict on the ranks that write it. ZeroRedundancyOptimizer (stage 1)
+    holds 1/N of it on each rank: it is consolidated on each writer in turn (a collective)."""
+    optimizer = engine.optimizer
+    if not hasattr(optimizer, "consolidate_state_dict"):
+        return optimizer.state_dict() if writer else None
+    state = None
+    for rank in _all_gather(comm.get_rank() if writer else None):
+        if rank is None:
+            continue
+        optimizer.consolidate_state_dict(to=rank)
+        if rank == comm.get_rank():
+            state = optimizer.state_dict()
+            optimizer._all_state_dicts = []  # else the whole state stays on this rank after the save
+    return state
+
+
+def _write_files(engine, staging: Path, client_state: dict, part: int | None, parts: int,
+                 optimizer_state: dict | None) -> None:
+    """client_state, this rank's part of the replicated state (stages 0-1), its rank file."""
     if part == 0:
         _write_atomic(staging / CLIENT_STATE, data=_client_state_bytes(client_state))
-    if part is not None:
-        shard = split_state(_engine_state(engine), parts)[part]
+    if part is not None and not engine.zero.shards_params:
+        shard = split_state(_engine_state(engine, optimizer_state), parts)[part]
         _write_atomic(staging / MODEL_STATES.format(part=part, parts=parts), obj=shard)
     _write_atomic(staging / f"rank{comm.get_rank()}.pt", obj=_rank_state(engine))
+
+
+def _write_shards(engine, staging: Path) -> None:
+    """Stages 2-3: every rank its shards (a collective), then rank 0 the replicated rest."""
+    from crew import checkpoint_sharded
+
+    optimizer_other = checkpoint_sharded.save(engine.module, engine.optimizer, staging / SHARDED_DIR)
+    if comm.get_rank() == 0:
+        groups = _groups_by_name(engine)
+        if groups is None:
+            raise CheckpointError("the optimizer steps tensors that are not parameters of the model; a "
+                                  "ZeRO stage 2/3 checkpoint stores optimizer state by parameter name")
+        rest = _common_state(engine)
+        rest["optimizer"] = {"param_groups": groups, "state_other": optimizer_other}
+        _write_atomic(staging / ENGINE_STATE, obj=rest)
 
 
 def split_state(state: dict, parts: int) -> list[dict]:
@@ -286,21 +346,51 @@ def _client_state_bytes(client_state: dict) -> bytes:
     return buffer.getvalue()
 
 
-def _engine_state(engine) -> dict:
-    precision_state = engine.precision.state_dict()
-    precision_state.pop("master_params", None)  # the fp32 module below carries them, once
+def _engine_state(engine, optimizer_state: dict) -> dict:
+    """Stages 0-1: everything but the rank files, whole."""
     return {
         "module": fp32_module_state(engine),
-        "optimizer": engine.optimizer.state_dict(),
+        "optimizer": optimizer_state,
+        "optimizer_param_names": optimizer_param_names(engine),  # to load it at stages 2-3
+        **_common_state(engine),
+    }
+
+
+def _common_state(engine) -> dict:
+    precision_state = engine.precision.state_dict()
+    precision_state.pop("master_params", None)  # the fp32 module carries them, once
+    return {
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
         "precision": precision_state,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
         "world_size": engine.world_size,
+        "zero_stage": engine.zero.stage,
         "config": engine.config.raw,
         "crew_version": __version__,
     }
+
+
+def optimizer_param_names(engine) -> list[str] | None:
+    """The module's name for each tensor the optimizer steps (its fp32 master under fp16/bf16 at
+    stages 0-1), in param_groups order; None when one of them is not a module parameter."""
+    names = {id(engine.precision.master_of(param)): name
+             for name, param in engine.module.named_parameters()}
+    found = [names.get(id(param)) for group in engine.optimizer.param_groups for param in group["params"]]
+    return None if None in found else found
+
+
+def _groups_by_name(engine) -> list[dict] | None:
+    """The optimizer's param groups with parameter names in place of tensors (None: see
+    optimizer_param_names)."""
+    names = optimizer_param_names(engine)
+    if names is None:
+        return None
+    position = iter(names)
+    return [{**{k: v for k, v in group.items() if k != "params"},
+             "params": [next(position) for _ in group["params"]]}
+            for group in engine.optimizer.param_groups]
 
 
 def fp32_module_state(engine) -> dict[str, torch.Tensor]:
@@ -327,12 +417,18 @@ def _rank_state(engine) -> dict:
 
 
 def _commit(engine, staging: Path, save_dir: Path, tag: str, save_latest: bool,
-            hosts: list[str], parts: int) -> None:
+            hosts: list[str], parts: int | None) -> None:
+    """Manifest, rename into place, `latest`, keep_last. `parts`: None for a sharded checkpoint."""
     manifest = {"tag": tag, "world_size": engine.world_size, "global_steps": engine.global_steps,
-                "crew_version": __version__, "hosts": hosts, "model_states_parts": parts}
+                "crew_version": __version__, "hosts": hosts, "zero_stage": engine.zero.stage,
+                "format": SHARDED if parts is None else REPLICATED}
+    if parts is not None:
+        manifest["model_states_parts"] = parts
     _write_atomic(staging / MANIFEST, data=json.dumps(manifest, indent=1).encode())
     for marker in staging.glob(".shared-*"):
         marker.unlink()
+    if (staging / SHARDED_DIR).is_dir():
+        _fsync_dir(staging / SHARDED_DIR)
     _fsync_dir(staging)
     _swap_into_place(staging, save_dir / tag)
     _fsync_dir(save_dir)
@@ -343,11 +439,7 @@ def _commit(engine, staging: Path, save_dir: Path, tag: str, save_latest: bool,
 
 
 def _placement() -> list[str]:
-    hosts = [os.environ.get("CREW_HOST") or socket.gethostname()]
-    if comm.get_world_size() > 1 and torch.distributed.is_initialized():
-        hosts = [None] * comm.get_world_size()
-        torch.distributed.all_gather_object(hosts, os.environ.get("CREW_HOST") or socket.gethostname())
-    return hosts
+    return _all_gather(os.environ.get("CREW_HOST") or socket.gethostname())
 
 
 def _remove_stale(save_dir: Path, current: str, keep_last: int | None) -> None:
@@ -383,22 +475,24 @@ def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_sta
         return None, None
     _agree(_same_everywhere(tag, "tag"), f"load_checkpoint({load_dir})")
     folder = load_dir / str(tag)
+    what = f"load_checkpoint({load_dir}, tag={tag})"
+    optimizer = load_optimizer_states and not load_module_only
     states: dict = {}
-    _agree(_attempt(_read_all, folder, states), f"load_checkpoint({load_dir}, tag={tag})")
-    _agree(_attempt(_check_fits, engine, states["model"], folder, load_module_strict),
-           f"load_checkpoint({load_dir}, tag={tag})")
-    _apply(engine, states, load_module_strict, load_optimizer_states and not load_module_only,
-           load_lr_scheduler_states and not load_module_only, load_module_only)
+    _agree(_attempt(_read_all, engine, folder, states, optimizer), what)
+    _agree(_attempt(_check_fits, engine, states, folder, load_module_strict), what)
+    if optimizer:
+        _agree(_attempt(_prepare_optimizer_state, engine, states, folder), what)
+    # every rank gets here or none: the sharded load below is a collective
+    _agree(_attempt(_load_weights, engine, states, folder, load_module_strict, optimizer,
+                    load_module_only), what)
+    _load_the_rest(engine, states, load_lr_scheduler_states and not load_module_only, load_module_only)
     log_rank0("loaded checkpoint %s (global step %d)", folder, engine.global_steps)
     return str(folder), states["client"]
 
 
 def _agreed_latest(load_dir: Path) -> str | None:
     """The tag `latest` names, the same on every rank; nodes that disagree fail every rank."""
-    seen = [(read_latest(load_dir), _where())]
-    if comm.get_world_size() > 1 and torch.distributed.is_initialized():
-        seen = [None] * comm.get_world_size()
-        torch.distributed.all_gather_object(seen, (read_latest(load_dir), _where()))
+    seen = _all_gather((read_latest(load_dir), _where()))
     tags = {tag for tag, _ in seen}
     if len(tags) > 1:
         listed = "; ".join(f"{where}: {tag or 'no latest file'}" for tag, where in seen)
@@ -409,18 +503,34 @@ def _agreed_latest(load_dir: Path) -> str | None:
     return tags.pop()
 
 
-def _read_all(folder: Path, states: dict) -> None:
+def _read_manifest(folder: Path) -> dict:
+    manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).is_file() else {}
+    manifest.setdefault("format", REPLICATED)  # checkpoints from before ZeRO stages 1-3
+    manifest.setdefault("zero_stage", 0)
+    if manifest["format"] not in (REPLICATED, SHARDED):
+        raise CheckpointError(f"{folder / MANIFEST}: unknown checkpoint format "
+                              f"{manifest['format']!r}; it was written by a newer crew, upgrade crew")
+    return manifest
+
+
+def _read_all(engine, folder: Path, states: dict, optimizer: bool) -> None:
     if not folder.is_dir():
         raise CheckpointError(_missing_tag_message(folder))
-    manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).is_file() else {}
-    names = [MANIFEST, CLIENT_STATE, *_model_state_files(manifest)]
+    manifest = _read_manifest(folder)
+    sharded = manifest["format"] == SHARDED
+    names = [MANIFEST, CLIENT_STATE]
+    names += [ENGINE_STATE, f"{SHARDED_DIR}/.metadata"] if sharded else _model_state_files(manifest)
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:
         raise CheckpointError(
             f"{folder} lacks {', '.join(missing)}: on a node without a shared filesystem, the save "
             "dir holds only what that node's ranks wrote; load on the same placement, or share it")
     states["manifest"] = manifest
-    states["model"] = read_model_states(folder, manifest)
+    states["model"] = _read(folder / ENGINE_STATE) if sharded else read_model_states(folder, manifest)
+    if sharded:
+        _read_shards(engine, folder / SHARDED_DIR, states, optimizer)
+    else:
+        states["shapes"] = {name: tuple(value.shape) for name, value in states["model"]["module"].items()}
     states["client"] = _read(folder / CLIENT_STATE)
     rank_file = folder / f"rank{comm.get_rank()}.pt"
     same_world = manifest.get("world_size") == comm.get_world_size()
@@ -430,6 +540,20 @@ def _read_all(folder: Path, states: dict) -> None:
             f"{rank_file} is missing (rank {comm.get_rank()} was saved on {saved_on}): the save dir "
             "is not shared between nodes; load with the same ranks on the same hosts, or copy it")
     states["rank"] = _read(rank_file) if same_world else None
+
+
+def _read_shards(engine, folder: Path, states: dict, optimizer: bool) -> None:
+    """A sharded checkpoint: only its shapes for a sharded engine (which reads its own pieces
+    later), everything, whole, for an engine at stage 0-1."""
+    from crew import checkpoint_sharded
+
+    if engine.zero.shards_params:
+        states["shapes"] = checkpoint_sharded.saved_module_shapes(folder)
+        return
+    module, optimizer_tensors = checkpoint_sharded.read_full(folder, with_optimizer=optimizer)
+    states["model"]["module"] = module
+    states["model"]["optimizer"]["state_tensors"] = optimizer_tensors
+    states["shapes"] = {name: tuple(value.shape) for name, value in module.items()}
 
 
 def _model_state_files(manifest: dict) -> list[str]:
@@ -448,36 +572,117 @@ def _missing_tag_message(folder: Path) -> str:
             f"{listed}); if other ranks found it, the save dir is not shared between nodes")
 
 
-def _check_fits(engine, saved: dict, folder: Path, strict: bool) -> None:
-    path = folder / "model_states.*"
-    expected = engine.module.state_dict()
-    module = saved.get("module", {})
-    differ = [f"{name}: saved {tuple(value.shape)}, model {tuple(expected[name].shape)}"
-              for name, value in module.items()
-              if name in expected and tuple(value.shape) != tuple(expected[name].shape)]
+def _check_fits(engine, states: dict, folder: Path, strict: bool) -> None:
+    sharded = states["manifest"]["format"] == SHARDED
+    path = folder / (SHARDED_DIR if sharded else "model_states.*")
+    expected = {name: tuple(value.shape) for name, value in engine.module.state_dict().items()}
+    saved = states["shapes"]
+    differ = [f"{name}: saved {shape}, model {expected[name]}"
+              for name, shape in saved.items() if name in expected and shape != expected[name]]
     if differ:
         raise CheckpointError(f"{path} does not fit this model: " + "; ".join(differ[:5]))
     if strict:
-        missing = sorted(set(expected) - set(module))
-        unexpected = sorted(set(module) - set(expected))
+        missing = sorted(set(expected) - set(saved))
+        unexpected = sorted(set(saved) - set(expected))
         if missing or unexpected:
             raise CheckpointError(
                 f"{path} does not fit this model: missing {missing[:5]}, unexpected "
                 f"{unexpected[:5]} (load_module_strict=False loads the keys that match)")
 
 
+def _prepare_optimizer_state(engine, states: dict, folder: Path) -> None:
+    """states["optimizer"]: the saved optimizer state in the form this engine loads. Between stages
+    0-1 (by index) and 2-3 (by parameter name) it is converted by parameter name."""
+    saved, manifest = states["model"], states["manifest"]
+    by_name = manifest["format"] == SHARDED
+    if engine.zero.shards_params == by_name:
+        states["optimizer"] = saved["optimizer"]
+        return
+    if by_name:  # a sharded checkpoint into a stage 0-1 engine
+        whole = {"state": merge_by_name(saved["optimizer"]["state_tensors"], saved["optimizer"]["state_other"]),
+                 "param_groups": saved["optimizer"]["param_groups"]}
+        states["optimizer"] = _by_index(whole, folder, manifest, engine)
+    else:  # a stage 0-1 checkpoint into a sharded engine
+        states["optimizer"] = _by_name(saved["optimizer"], saved.get("optimizer_param_names"),
+                                       folder, manifest, engine)
+    log_rank0("%s was saved at ZeRO stage %d; loading it at stage %d: optimizer state matched by "
+              "parameter name", folder, manifest["zero_stage"], engine.zero.stage)
+
+
+def merge_by_name(first: dict, second: dict) -> dict:
+    """Two {name: {key: value}} dicts (optimizer state by parameter name) as one."""
+    return {name: {**first.get(name, {}), **second.get(name, {})}
+            for name in list(first) + [name for name in second if name not in first]}
+
+
+def _cross_stage_error(folder: Path, manifest: dict, engine, reason: str) -> CheckpointError:
+    saved_stage, stage = manifest["zero_stage"], engine.zero.stage
+    return CheckpointError(
+        f"{folder} was saved at ZeRO stage {saved_stage} and this engine runs stage {stage}, but "
+        f"the optimizer state cannot be matched by parameter name: {reason}. Load it at stage "
+        f"{saved_stage}, or take the weights only: load_checkpoint(..., load_optimizer_states=False), "
+        "or `crew export` it and load the file with model.load_state_dict.")
+
+
+def _by_name(state: dict, names: list[str] | None, folder: Path, manifest: dict, engine) -> dict:
+    """An optimizer state dict by index (stages 0-1) -> by parameter name."""
+    if names is None:
+        raise _cross_stage_error(folder, manifest, engine, "the checkpoint has no parameter names "
+                                 "(saved by an older crew, or an optimizer over tensors outside the model)")
+    return {"state": {names[index]: value for index, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _by_index(state: dict, folder: Path, manifest: dict, engine) -> dict:
+    """An optimizer state dict by parameter name -> by index, for this engine's optimizer, whose
+    param groups must hold the same parameters in the same order (load_state_dict matches by
+    position)."""
+    mine = _groups_by_name(engine)
+    if mine is None:
+        raise _cross_stage_error(folder, manifest, engine, "this engine's optimizer steps tensors "
+                                 "that are not parameters of the model")
+    groups = [group["params"] for group in mine]
+    saved_groups = [group["params"] for group in state["param_groups"]]
+    if saved_groups != groups:
+        raise _cross_stage_error(folder, manifest, engine, f"the saved param groups {saved_groups} "
+                                 f"differ from this optimizer's {groups}")
+    index = {name: i for i, name in enumerate(name for group in groups for name in group)}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
 @torch.no_grad()
-def _apply(engine, states: dict, strict: bool, optimizer: bool, scheduler: bool,
-           module_only: bool) -> None:
+def _load_weights(engine, states: dict, folder: Path, strict: bool, optimizer: bool,
+                  module_only: bool) -> None:
+    """Module, precision and (when `optimizer`) optimizer state; a collective at stages 2-3."""
     saved = states["model"]
-    engine.module.load_state_dict(saved["module"], strict=strict)
+    optimizer_state = states["optimizer"] if optimizer else None
+    if engine.zero.shards_params:
+        from crew import checkpoint_sharded
+
+        if states["manifest"]["format"] == SHARDED:
+            checkpoint_sharded.load(engine.module, engine.optimizer, folder / SHARDED_DIR, strict,
+                                    optimizer_state)
+        else:
+            checkpoint_sharded.load_full(engine.module, engine.optimizer, saved["module"],
+                                         optimizer_state, strict)
+    else:
+        engine.module.load_state_dict(saved["module"], strict=strict)
     if not module_only:
         engine.precision.load_state_dict(saved["precision"])
+    if engine.zero.shards_params:
+        return  # the sharded fp32 parameters are the master weights
     for name, param in engine.module.named_parameters():
         if name in saved["module"]:
             engine.precision.master_of(param).copy_(saved["module"][name])
-    if optimizer:
-        engine.optimizer.load_state_dict(saved["optimizer"])
+    if optimizer_state is not None:
+        engine.optimizer.load_state_dict(optimizer_state)
+
+
+def _load_the_rest(engine, states: dict, scheduler: bool, module_only: bool) -> None:
+    saved = states["model"]
     if scheduler and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     if module_only:
@@ -512,12 +717,18 @@ def _as_tuples(value):
 # -- export -------------------------------------------------------------------------------------
 
 def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
-    """Rank 0 writes the module's weights in its training dtype (16-bit under fp16/bf16)."""
+    """Rank 0 writes the module's weights in its training dtype (16-bit under fp16/bf16); at
+    stages 2-3 they are gathered from the shards first (a collective)."""
+    gathered = None
+    if engine.zero.shards_params:
+        from crew import checkpoint_sharded
+
+        gathered = checkpoint_sharded.full_module_state(engine.module)
     problem = None
     if comm.get_rank() == 0:
         dtype = engine.precision.dtype
         state = {name: value.to(dtype) if value.is_floating_point() else value
-                 for name, value in fp32_module_state(engine).items()}
+                 for name, value in (gathered if gathered is not None else fp32_module_state(engine)).items()}
         problem = _attempt(write_state_dict, state, Path(save_dir) / save_filename)
     _agree(problem, f"save_16bit_model({save_dir}, {save_filename})")
     return True
@@ -537,7 +748,8 @@ def write_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """`crew export`: a save dir (its `latest`) or a tag folder -> one fp32 state dict file."""
+    """`crew export`: a save dir (its `latest`) or a tag folder -> one fp32 state dict file. A
+    sharded checkpoint (stages 2-3) is consolidated here, in this one process."""
     folder = Path(checkpoint)
     if not (folder / MANIFEST).is_file():
         tag = read_latest(folder)
@@ -545,6 +757,13 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
             raise CheckpointError(f"{folder} is neither a checkpoint tag folder (no {MANIFEST}) "
                                   "nor a save dir with a 'latest' file")
         folder = folder / tag
-    manifest = json.loads((folder / MANIFEST).read_text())
-    write_state_dict(read_model_states(folder, manifest)["module"], Path(out))
+    manifest = _read_manifest(folder)
+    if manifest["format"] == SHARDED:
+        from crew import checkpoint_sharded
+
+        module, _ = checkpoint_sharded.read_full(folder / SHARDED_DIR)
+    else:
+        module = read_model_states(folder, manifest)["module"]
+    write_state_dict({name: value.float() if value.is_floating_point() else value
+                      for name, value in module.items()}, Path(out))
     return folder

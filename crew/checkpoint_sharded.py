@@ -1,0 +1,203 @@
+"""ZeRO stages 2-3 checkpoints: the FSDP2-sharded model and optimizer state, by parameter name, in
+one torch.distributed.checkpoint (DCP) folder inside the tag (crew/checkpoint.py does the rest).
+
+    <tag>/sharded/
+      .metadata              global shapes, and where each piece of every tensor lies (rank 0)
+      __<rank>_0.distcp      the pieces of rank <rank>'s shards, written by it in parallel
+
+Keys are "model.<parameter or buffer name>" and "optim.<parameter name>.<state key>". Only tensors
+go in (DCP loads them with weights_only=True); the optimizer's param groups and any non-tensor state
+travel in the tag's replicated file. DCP reads `.metadata` with a plain pickle.load, which would let
+a crafted checkpoint run code: crew reads it with an unpickler that accepts only DCP's metadata
+classes.
+Shapes are global, so the folder loads on any world size and at stage 2 or 3 alike (both are
+FSDP2): each rank reads only the pieces its own shards need. `read_full` loads whole tensors with
+no process group, for `crew export` and for engines at stages 0-1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from crew.checkpoint import CheckpointError, merge_by_name
+
+
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": None,  # any: DCP's metadata dataclasses
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        names = _METADATA_GLOBALS.get(module, ())
+        allowed = (names is None or name in names or (module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} has no place in a checkpoint's metadata")
+        return super().find_class(module, name)
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader, reading `.metadata` with the restricted unpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict:
+    """Write this rank's shards (a collective); returns the optimizer's non-tensor state by name."""
+    tensors, other = _split(_optimizer_state(module, optimizer))
+    with _dcp_errors(folder):
+        dcp.save({"model": get_model_state_dict(module), "optim": tensors},
+                 storage_writer=FileSystemWriter(folder))
+    return other
+
+
+@contextlib.contextmanager
+def _dcp_errors(folder: Path) -> Iterator[None]:
+    """DCP's CheckpointException (a BaseException, with every rank's failure) as a CheckpointError."""
+    try:
+        yield
+    except dcp.CheckpointException as exc:
+        failures = "; ".join(f"rank {rank}: {_described(failure)}"
+                             for rank, failure in sorted(exc.failures.items()))
+        raise CheckpointError(f"{folder}: {failures}") from None
+
+
+def _described(failure) -> str:
+    error = failure[0] if isinstance(failure, tuple) else failure
+    return f"{type(error).__name__}: {str(error)[:300]}"
+
+
+def _optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    # An optimizer that has not stepped yet has no state; get_optimizer_state_dict would create it
+    # with a step at lr 0, which changes the training that follows (Adam's step count).
+    if not optimizer.state:
+        return {}
+    return get_optimizer_state_dict(module, optimizer)["state"]
+
+
+def _split(state: dict) -> tuple[dict, dict]:
+    """{name: {key: value}} -> (the tensors, the other values), both by name."""
+    tensors = {name: {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
+               for name, entry in state.items()}
+    other = {name: {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
+             for name, entry in state.items()}
+    return tensors, {name: entry for name, entry in other.items() if entry}
+
+
+def saved_entries(folder: Path) -> dict:
+    """{flat key: its metadata} of the tensors in a sharded folder (reads only .metadata)."""
+    try:
+        return _Reader(folder).read_metadata().state_dict_metadata
+    except Exception as exc:  # a truncated or foreign file fails in many ways inside the unpickler
+        raise CheckpointError(f"{folder / '.metadata'} cannot be read ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}); it is truncated, corrupted or not a crew "
+                              "checkpoint") from None
+
+
+def saved_module_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    return {key[len("model."):]: tuple(meta.size) for key, meta in saved_entries(folder).items()
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+
+
+def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, strict: bool,
+         optimizer_rest: dict | None) -> None:
+    """Load the shards this rank's parameters (and, given `optimizer_rest`, its optimizer state)
+    need, whatever world size and stage 2/3 wrote them. A collective."""
+    entries = saved_entries(folder)
+    model = get_model_state_dict(module)
+    if not strict:
+        model = {key: value for key, value in model.items() if f"model.{key}" in entries}
+    wanted = {"model": model}
+    has_optimizer_state = any(key.startswith("optim.") for key in entries)
+    if optimizer_rest is not None and has_optimizer_state:
+        wanted["optim"], _ = _split(get_optimizer_state_dict(module, optimizer)["state"])
+        _check_optimizer_keys(wanted["optim"], entries, folder)
+    with _dcp_errors(folder):
+        dcp.load(wanted, storage_reader=_Reader(folder))
+    if optimizer_rest is None:
+        set_model_state_dict(module, wanted["model"], options=StateDictOptions(strict=strict))
+        return
+    state = merge_by_name(wanted.get("optim", {}), optimizer_rest["state_other"])
+    _set_both(module, optimizer, wanted["model"], {"state": state, "param_groups": optimizer_rest["param_groups"]},
+              StateDictOptions(strict=strict))
+
+
+def _check_optimizer_keys(state: dict, entries: dict, folder: Path) -> None:
+    missing = [f"{name}.{key}" for name, entry in state.items() for key in entry
+               if f"optim.{name}.{key}" not in entries]
+    if missing:
+        raise CheckpointError(
+            f"{folder} has no optimizer state for {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}: it was saved with another optimizer or model. "
+            "Load with load_optimizer_states=False (or load_module_only=True) to take the weights only.")
+
+
+def load_full(module: torch.nn.Module, optimizer: torch.optim.Optimizer, module_state: dict,
+              optimizer_state: dict | None, strict: bool) -> None:
+    """Load whole tensors (every rank holds them all, e.g. from a stage 0-1 checkpoint) into the
+    shards: module state by name, optimizer state by parameter name (None: module only)."""
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    if optimizer_state is None:
+        set_model_state_dict(module, module_state, options=options)
+        return
+    _set_both(module, optimizer, module_state, optimizer_state, options)
+
+
+def _set_both(module: torch.nn.Module, optimizer: torch.optim.Optimizer, module_state: dict,
+              optimizer_state: dict, options: StateDictOptions) -> None:
+    set_state_dict(module, optimizer, model_state_dict=module_state, optim_state_dict=optimizer_state,
+                   options=options)
+    if not optimizer_state["state"]:  # saved before the first step: drop the state set_state_dict
+        optimizer.state.clear()       # made up (a step at lr 0), or Adam would count that step
+
+
+def read_full(folder: Path, with_optimizer: bool = False) -> tuple[dict, dict]:
+    """Whole tensors in one process, no process group: (module state, optimizer state by name)."""
+    wanted = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+              for key, meta in saved_entries(folder).items()
+              if isinstance(meta, TensorStorageMetadata)
+              and (key.startswith("model.") or (with_optimizer and key.startswith("optim.")))}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        with _dcp_errors(folder):
+            dcp.load(wanted, storage_reader=_Reader(folder), no_dist=True)
+    module, optimizer = {}, {}
+    for key, value in wanted.items():
+        kind, rest = key.split(".", 1)
+        if kind == "model":
+            module[rest] = value
+        else:  # parameter names have dots, optimizer state keys (exp_avg, step, ...) do not
+            name, entry = rest.rsplit(".", 1)
+            optimizer.setdefault(name, {})[entry] = value
+    return module, optimizer
+
+
+def full_module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole module state on rank 0 (on the CPU), an empty dict elsewhere. A collective."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,369 @@
+"""Checkpoints at ZeRO stages 1-3: exact resume, other world sizes and stages, export, 16-bit weights.
+
+A spawned world costs seconds on two cores, so each runs many checks: one world of two ranks
+trains, saves and resumes at stages 1, 2 and 3 (fp32, bf16, fp16) and loads each checkpoint at other
+stages; the module-scoped fixture keeps what the tests compare, and the checkpoints for the loads on
+one and four ranks and for export.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist import run_ranks
+from test_checkpoint import dataset, ds_config, make_model
+
+SAVE_AT, END = 3, 6  # 16 samples a step on two ranks, 56 an epoch: the resume crosses an epoch
+FP16 = {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2}  # the scale moves
+
+
+def zero_config(stage: int, precision: str = "fp32") -> dict:
+    extra = {"fp16": FP16} if precision == "fp16" else {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    return ds_config(accumulation=2, gradient_clipping=0.5, zero_optimization={"stage": stage}, **extra)
+
+
+def build(config: dict):
+    """An engine and its stream of batches (built after a load_checkpoint, it resumes the loader)."""
+    import crew
+
+    engine, _, loader, _ = crew.initialize(model=make_model(), training_data=dataset(), config=config)
+    return engine, batches(loader)
+
+
+def batches(loader):
+    """The loader's batches across epochs. Keep one stream per engine: a new iter(loader) starts
+    the next epoch (or the loaded resume point)."""
+    while True:
+        yield from loader
+
+
+def train(engine, stream, until_step: int) -> list[float]:
+    """Train to `until_step` (dropout: the RNG state matters too), inputs in the compute dtype
+    (FSDP2 does not cast them)."""
+    losses = []
+    while engine.global_steps < until_step:
+        inputs, targets = next(stream)
+        output = engine(inputs.to(engine.precision.dtype)).float()
+        loss = torch.nn.functional.mse_loss(output, targets)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def whole_state(engine) -> dict | None:
+    """{"model": fp32 weights, "optim": optimizer state by parameter name}, whole, at any stage
+    (a collective; None on ranks other than 0 at stage 1)."""
+    from crew.checkpoint import fp32_module_state, optimizer_param_names
+
+    if engine.zero.shards_params:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model, optim = get_state_dict(engine.module, engine.optimizer,
+                                      options=StateDictOptions(full_state_dict=True))
+        return copy.deepcopy({"model": model, "optim": optim["state"]})  # "step" is the live tensor
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "consolidate_state_dict"):
+        optimizer.consolidate_state_dict(to=0)
+        if engine.global_rank != 0:
+            return None
+    names = optimizer_param_names(engine)
+    return copy.deepcopy({"model": fp32_module_state(engine),  # a copy: these are the live tensors
+                          "optim": {names[i]: entry for i, entry in optimizer.state_dict()["state"].items()}})
+
+
+def assert_same_state(actual: dict, expected: dict) -> None:
+    assert actual["model"].keys() == expected["model"].keys()
+    for name, value in expected["model"].items():
+        assert torch.equal(actual["model"][name], value), f"weight {name} differs"
+    assert actual["optim"].keys() == expected["optim"].keys()
+    for name, entry in expected["optim"].items():
+        assert actual["optim"][name].keys() == entry.keys()
+        for key, value in entry.items():
+            assert torch.equal(actual["optim"][name][key], value), f"optimizer {name}.{key} differs"
+
+
+# -- one world per stage: resume, plus loads at other stages ----------------------------------------
+
+def stage_world(rank: int, stage: int, precision: str, folder: str, other_stages: list[int],
+                out: str) -> dict:
+    config = zero_config(stage, precision)
+    engine, stream = build(config)
+    before = train(engine, stream, SAVE_AT)
+    engine.save_checkpoint(folder, client_state={"losses": len(before)})
+    saved = whole_state(engine)
+    saved_precision = engine.precision.state_dict()
+    continued = train(engine, stream, END)
+
+    fresh, fresh_stream = build(config)
+    _, client = fresh.load_checkpoint(folder)
+    result = {"saved": saved, "client": client, "continued": continued,
+              "loaded_precision": fresh.precision.state_dict(), "saved_precision": saved_precision,
+              "resumed": train(fresh, fresh_stream, END), "other_stages": {}}
+    for other in other_stages:  # the same checkpoint into engines at other stages
+        engine, _ = build(zero_config(other, precision))
+        engine.load_checkpoint(folder)
+        result["other_stages"][other] = (engine.global_steps, whole_state(engine))
+    if stage == 3:  # and 16-bit weights gathered from the shards
+        engine, stream = build(zero_config(3, "bf16"))
+        train(engine, stream, 1)
+        engine.save_16bit_model(out, "weights.bin")
+        result["bf16_model"] = whole_state(engine)["model"]
+    return result
+
+
+# stage: (its precision, the stages that load its checkpoint in the same world); a precision each
+WORLDS = {1: ("fp32", [3]), 2: ("bf16", [0, 1]), 3: ("fp16", [])}
+
+
+def all_stages(rank: int, root: str) -> dict:
+    return {stage: stage_world(rank, stage, precision, f"{root}/stage{stage}/ckpt", others,
+                               f"{root}/stage{stage}/out")
+            for stage, (precision, others) in WORLDS.items()}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict:
+    """{stage: (its checkpoint dir, each rank's result)}: one world of two ranks runs them all."""
+    root = tmp_path_factory.mktemp("stages")
+    ranks = run_ranks(all_stages, 2, str(root))
+    return {stage: (root / f"stage{stage}" / "ckpt", [result[stage] for result in ranks]) for stage in WORLDS}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_is_exact(worlds, stage):
+    _, ranks = worlds[stage]
+    for result in ranks:
+        assert result["resumed"] == result["continued"]  # exact, step for step
+        assert len(result["resumed"]) == (END - SAVE_AT) * 2
+        assert result["client"] == {"losses": SAVE_AT * 2}
+
+
+def test_manifest_names_stage_and_format(worlds):
+    def tag(stage: int):
+        folder = worlds[stage][0] / f"global_step{SAVE_AT}"
+        manifest = json.loads((folder / "crew_checkpoint.json").read_text())
+        return manifest, {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+    common = {"crew_checkpoint.json", "client_state.pt", "rank0.pt", "rank1.pt"}
+    manifest, files = tag(1)
+    assert (manifest["zero_stage"], manifest["format"]) == (1, "replicated")
+    assert files == common | {"model_states.0-of-1.pt"}  # whole, by the rank it was consolidated to
+    manifest, files = tag(3)
+    assert (manifest["zero_stage"], manifest["format"]) == (3, "sharded")
+    assert files == common | {"engine_state.pt", "sharded/.metadata", "sharded/__0_0.distcp",
+                              "sharded/__1_0.distcp"}  # each rank wrote its own shards
+
+
+def test_fp16_loss_scale_survives_a_stage3_round_trip(worlds):
+    _, ranks = worlds[3]
+    for result in ranks:
+        saved = result["saved_precision"]["loss_scaler"]
+        assert saved["cur_scale"] > 2 ** FP16["initial_scale_power"]  # it moved before the save
+        assert result["loaded_precision"]["loss_scaler"] == saved
+
+
+def test_stage1_checkpoint_loads_into_a_stage3_engine(worlds):
+    _, ranks = worlds[1]
+    steps, state = ranks[0]["other_stages"][3]
+    assert steps == SAVE_AT
+    assert_same_state(state, ranks[0]["saved"])
+
+
+def test_stage2_checkpoint_loads_into_stage0_and_stage1_engines(worlds):
+    _, ranks = worlds[2]
+    for stage in (0, 1):
+        steps, state = ranks[0]["other_stages"][stage]
+        assert steps == SAVE_AT
+        assert_same_state(state, ranks[0]["saved"])
+
+
+# -- other world sizes ----------------------------------------------------------------------------
+
+def load_elsewhere(rank: int, stage: int, folder: str) -> dict:
+    engine, stream = build(zero_config(stage, "fp16"))
+    engine.load_checkpoint(folder, tag=f"global_step{SAVE_AT}")
+    state = whole_state(engine)
+    scaler = engine.precision.state_dict()["loss_scaler"]
+    steps = engine.global_steps
+    train(engine, stream, SAVE_AT + 1)  # the loaded optimizer state steps on the new shards
+    return {"state": state, "scaler": scaler, "steps": steps}
+
+
+def test_stage3_checkpoint_of_two_ranks_loads_at_stage2_on_four(worlds):
+    folder, saved = worlds[3]
+    for result in run_ranks(load_elsewhere, 4, 2, str(folder)):
+        assert result["steps"] == SAVE_AT
+        assert result["scaler"] == saved[0]["saved_precision"]["loss_scaler"]
+        assert_same_state(result["state"], saved[0]["saved"])
+
+
+def test_stage1_checkpoint_of_two_ranks_loads_on_one_at_stages_0_and_1(worlds):
+    folder, saved = worlds[1]
+    for stage in (0, 1):
+        engine, _ = build(zero_config(stage))
+        engine.load_checkpoint(folder, tag=f"global_step{SAVE_AT}")
+        assert engine.global_steps == SAVE_AT
+        assert_same_state(whole_state(engine), saved[0]["saved"])
+
+
+def test_stage3_checkpoint_of_two_ranks_loads_on_one(worlds):
+    folder, saved = worlds[3]
+    result = load_elsewhere(0, 3, str(folder))
+    assert result["steps"] == SAVE_AT
+    assert_same_state(result["state"], saved[0]["saved"])
+    engine, _ = build(zero_config(3, "fp16"))
+    engine.load_checkpoint(folder, load_module_only=True)
+    assert engine.global_steps == 0 and not engine.optimizer.state
+    assert_same_state({"model": whole_state(engine)["model"], "optim": {}},
+                      {"model": saved[0]["saved"]["model"], "optim": {}})
+
+
+# -- export and 16-bit weights --------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_export_consolidates_a_checkpoint_of_any_stage(worlds, tmp_path, stage):
+    from crew.checkpoint import export
+
+    folder, ranks = worlds[stage]
+    export(folder / f"global_step{SAVE_AT}", tmp_path / "model.pt")
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    make_model().load_state_dict(exported, strict=True)
+    assert all(value.dtype == torch.float32 for value in exported.values())
+    for name, value in ranks[0]["saved"]["model"].items():
+        assert torch.equal(exported[name], value), name
+
+
+def test_save_16bit_model_at_stage3_gathers_bf16_weights(worlds):
+    folder, ranks = worlds[3]
+    half = torch.load(folder.parent / "out" / "weights.bin", weights_only=True)
+    make_model().load_state_dict(half, strict=True)
+    for name, value in ranks[0]["bf16_model"].items():
+        assert half[name].dtype == torch.bfloat16
+        assert torch.equal(half[name], value.to(torch.bfloat16)), name
+
+
+# -- what cannot work says so ---------------------------------------------------------------------
+
+def test_a_checkpoint_without_parameter_names_names_both_stages(tmp_path):
+    """A stage 0 checkpoint from before parameter names were saved: its optimizer state cannot
+    be placed in a stage 3 engine; the weights still load."""
+    engine, stream = build(zero_config(0))
+    train(engine, stream, 1)
+    engine.save_checkpoint(tmp_path)
+    states = tmp_path / "global_step1" / "model_states.0-of-1.pt"
+    old = torch.load(states, weights_only=True)
+    del old["optimizer_param_names"]
+    torch.save(old, states)
+    sharded, _ = build(zero_config(3))
+    with pytest.raises(Exception, match=r"saved at ZeRO stage 0 and this engine runs stage 3.*"
+                                        r"load_optimizer_states=False.*crew export"):
+        sharded.load_checkpoint(tmp_path)
+    sharded.load_checkpoint(tmp_path, load_optimizer_states=False)
+    assert sharded.global_steps == 1
+    assert_same_state({"model": whole_state(sharded)["model"], "optim": {}},
+                      {"model": whole_state(engine)["model"], "optim": {}})
+
+
+def test_a_sharded_checkpoint_of_another_model_is_named(tmp_path):
+    engine, stream = build(zero_config(3))
+    train(engine, stream, 1)
+    engine.save_checkpoint(tmp_path)
+    import crew
+
+    other, _, _, _ = crew.initialize(model=torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Dropout(0.2),
+                                                               torch.nn.Tanh(), torch.nn.Linear(12, 1)),
+                                     config=zero_config(3))
+    with pytest.raises(Exception, match=r"sharded does not fit this model: 0.weight: saved \(16, 8\), "
+                                        r"model \(12, 8\)"):
+        other.load_checkpoint(tmp_path)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("a crafted checkpoint ran code",))
+
+
+def test_a_crafted_sharded_metadata_cannot_run_code(tmp_path, capsys):
+    engine, stream = build(zero_config(3))
+    train(engine, stream, 1)
+    engine.save_checkpoint(tmp_path)
+    metadata = tmp_path / "global_step1" / "sharded" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_RunsCode()))
+    from crew.checkpoint import export
+
+    with pytest.raises(Exception, match=r"\.metadata cannot be read.*builtins.print has no place"):
+        export(tmp_path, tmp_path / "model.pt")
+    with pytest.raises(Exception, match=r"\.metadata cannot be read"):
+        engine.load_checkpoint(tmp_path)
+    assert "ran code" not in capsys.readouterr().out
+
+
+def test_a_checkpoint_from_before_the_first_step_leaves_the_optimizer_empty(tmp_path):
+    """Adam counts its steps: a load must not make one up (torch's set_state_dict does, at lr 0)."""
+    for saved_stage in (0, 3):
+        engine, _ = build(zero_config(saved_stage))
+        engine.save_checkpoint(tmp_path / str(saved_stage))
+        for stage in (0, 3):
+            other, _ = build(zero_config(stage))
+            other.load_checkpoint(tmp_path / str(saved_stage))
+            assert not other.optimizer.state, (saved_stage, stage)
+
+
+def on_node_local_dirs(rank: int, root: str) -> dict:
+    """Each rank sees its own folder at root/ckpt and is alone on its "node", as on two machines
+    without a shared filesystem: stage 1 saves a copy per node; stage 2 refuses to save."""
+    import ctypes
+    import os
+    import subprocess
+
+    if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS, this process only
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+    subprocess.run(["mount", "--bind", f"{root}/node{rank}", f"{root}/ckpt"], check=True)
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    ckpt = Path(root) / "ckpt"
+
+    engine, stream = build(zero_config(1))
+    train(engine, stream, SAVE_AT)
+    engine.save_checkpoint(ckpt)
+    continued = train(engine, stream, END)
+    fresh, fresh_stream = build(zero_config(1))
+    fresh.load_checkpoint(ckpt)
+    result = {"continued": continued, "resumed": train(fresh, fresh_stream, END),
+              "files": sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*"))}
+
+    engine, stream = build(zero_config(2))
+    train(engine, stream, 1)
+    try:
+        engine.save_checkpoint(ckpt)
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["files_after"] = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*"))
+    return result
+
+
+def test_without_a_shared_filesystem_stage1_saves_per_node_and_stage2_refuses(tmp_path):
+    from test_checkpoint_nodes import _isolation_unavailable
+
+    reason = _isolation_unavailable()
+    if reason:
+        pytest.skip(reason)
+    for name in ("ckpt", "node0", "node1"):
+        (tmp_path / name).mkdir()
+    for rank, result in enumerate(run_ranks(on_node_local_dirs, 2, str(tmp_path))):
+        assert result["resumed"] == result["continued"]
+        tag = f"global_step{SAVE_AT}"
+        assert result["files"] == sorted(["latest", tag, f"{tag}/client_state.pt", f"{tag}/crew_checkpoint.json",
+                                          f"{tag}/model_states.0-of-1.pt", f"{tag}/rank{rank}.pt"])
+        assert result["error"].startswith("CheckpointError")
+        assert ("ZeRO stage 2/3 checkpoints are written as one sharded checkpoint; save_dir must be on "
+                f"a filesystem every node shares, and {tmp_path / 'ckpt'} is not") in result["error"]
+        assert result["files_after"] == result["files"]  # nothing written, nothing left behind
+    assert not list((tmp_path / "ckpt").iterdir())
