@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     plan.set_defaults(handler=cmd_plan)
     export = commands.add_parser(
-        "export", help="write one fp32 state dict (loadable by model.load_state_dict) from a checkpoint")
+        "export", help="write one fp32 state dict (loadable by model.load_state_dict) from a checkpoint "
+                       "of any ZeRO stage")
     export.add_argument("checkpoint_dir", help="a save_dir (its 'latest' tag is used) or a tag folder")
     export.add_argument("out", help="output file; a .safetensors name writes safetensors")
     export.set_defaults(handler=cmd_export)
