@@ -98,6 +98,7 @@ class Zero:
             for unit in units:
                 _materialise(unit, self.device, memo)
                 fully_shard(unit, **options)
+                _forget_whole(memo)  # the unit holds only its shards now: free the whole tensors
             _materialise(model, self.device, memo)
             fully_shard(model, **options)
         log_rank0("ZeRO stage %d: fully_shard over %d ranks, %d wrapped units (+ root)%s",
@@ -299,10 +300,21 @@ def _materialise(module: torch.nn.Module, device: torch.device, memo: dict) -> N
                     if id(tensor) not in memo:  # keeps the meta tensor alive: ids stay unique
                         memo[id(tensor)] = (tensor, _allocated(tensor, device))
                         fresh = True
+                    if memo[id(tensor)][1] is None:
+                        raise CrewError(
+                            f"zero.Init: {type(owner).__name__}.{name} is shared with a module in "
+                            "another FSDP2 unit, which has been sharded already. Set "
+                            "zero_optimization.wrap so that modules sharing a weight are in one "
+                            "unit (or stay in the root).")
                     store[name] = memo[id(tensor)][1]
         if fresh:
             with torch.no_grad():
                 owner.reset_parameters()
+
+
+def _forget_whole(memo: dict) -> None:
+    for key, (meta, _) in list(memo.items()):
+        memo[key] = (meta, None)
 
 
 def _allocated(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
