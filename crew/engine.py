@@ -78,9 +78,9 @@ class Engine(torch.nn.Module):
         """Cast and move (stages 0-1) or shard (stages 2-3) the model; a model built under
         zero.Init is materialised here. Returns it and {id(param before): param after}."""
         if self.zero.shards_params:
-            self.precision.cast_module(model)  # checks the dtype's kernels; FSDP2 does the casting
             if not zero.is_deferred(model):
                 model.to(self.device)
+            self.precision.cast_module(model)  # checks the dtype's kernels; FSDP2 does the casting
             return model, self.zero.shard(model, self.precision.sharded_compute_dtype)
         replaced = zero.materialise(model, self.device)
         self.precision.cast_module(model)
