@@ -70,17 +70,9 @@ def engine_step(module_name: str):
 
 def ddp_step():
     """The same step in plain torch: DDP, clip_grad_norm_, AdamW, zero_grad."""
-    import torch
+    from _ddp_baseline import ddp_stepper
 
-    model = torch.nn.parallel.DistributedDataParallel(make_model())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-
-    def step(inputs, targets):
-        torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
+    return ddp_stepper(make_model(), LR, CLIP)[0]
 
 
 def timed_steps(steppers: dict, steps: int) -> dict[str, list[float]]:

@@ -153,14 +153,9 @@ def build_ddp() -> Trainee:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    model = torch.nn.parallel.DistributedDataParallel(make_model())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    from _ddp_baseline import ddp_stepper
 
-    def step(inputs, targets):
-        torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    step, model, optimizer = ddp_stepper(make_model(), LR, CLIP)
     return Trainee(step, model, optimizer, optimizer)
 
 

@@ -361,6 +361,10 @@ class GatheredParameters:
 
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None,
                  enabled: bool = True) -> None:
+        world = comm.get_world_size()
+        if modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
+            raise CrewError(f"GatheredParameters(modifier_rank={modifier_rank!r}): give the rank whose "
+                            f"changes are kept, 0..{world - 1}, or None to drop changes.")
         if isinstance(params, torch.Tensor):
             params = [params]
         self.params = [p for p in (params or []) if p is not None]

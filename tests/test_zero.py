@@ -306,3 +306,13 @@ def test_a_client_optimizer_and_scheduler_keep_working_in_a_world_of_one(stage):
     assert lrs == [0.5, 0.25, 0.125]
     if stage == 1:  # ZeRO-1 copies the lr into the optimizer that steps its shard, at each step
         assert engine_optimizer.optim.param_groups[0]["lr"] == 0.25  # the lr of the third step
+
+
+@pytest.mark.parametrize("rank", [1, -1, "0"])
+def test_a_modifier_rank_outside_the_world_is_a_clear_error(rank):
+    import crew
+    from crew.errors import CrewError
+
+    crew.init_distributed()  # a world of one
+    with pytest.raises(CrewError, match=r"modifier_rank=.*give the rank whose changes are kept, 0\.\.0, or None"):
+        crew.zero.GatheredParameters(torch.nn.Linear(2, 2).weight, modifier_rank=rank)
