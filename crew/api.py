@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from crew import comm
+from crew.balance import Balancer
 from crew.config import ignored_keys, load_config
 from crew.data import DataLoader
 from crew.engine import Engine
-from crew.errors import CrewError, install_excepthook
+from crew.errors import ConfigError, CrewError, install_excepthook
 from crew.log import log_rank0
 
 install_excepthook()
@@ -31,16 +32,31 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     loader = None
     if training_data is not None:
         on_gpu = engine.device.type == "cuda"  # DeepSpeed's loader: pinned, 2 workers per GPU
-        loader = DataLoader(training_data, resolved.train_micro_batch_size_per_gpu,
-                            engine.world_size, engine.global_rank, collate_fn=collate_fn,
-                            drop_last=resolved.dataloader_drop_last,
+        micro = engine.balancer.sizes if engine.balancer else resolved.train_micro_batch_size_per_gpu
+        loader = DataLoader(training_data, micro, engine.world_size, engine.global_rank,
+                            collate_fn=collate_fn, drop_last=resolved.dataloader_drop_last,
                             num_workers=2 if on_gpu else 0, pin_memory=on_gpu)
     engine.training_dataloader = loader
+    if engine.balancer is not None:
+        _attach_loader(engine.balancer, loader, resolved.source)
     engine.log_batch_math(len(loader) if loader is not None else None)
     no_effect = ignored_keys(resolved) + engine.zero.no_effect_keys()
     if no_effect:
         log_rank0("config keys accepted, but with no effect in crew: %s", ", ".join(no_effect))
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _attach_loader(balancer: Balancer, loader: DataLoader | None, source: str) -> None:
+    if loader is not None:
+        balancer.loader = loader
+    elif balancer.auto:
+        raise ConfigError(
+            f"{source}: train_micro_batch_size_per_rank \"auto\" changes each rank's micro batch while "
+            "training, which needs crew's loader: pass initialize(training_data=your_dataset) and iterate "
+            "the loader it returns, or set the sizes by hand (a list, one per rank).")
+    else:
+        log_rank0("micro batch per rank %s: without training_data, make rank r's own loader give "
+                  "engine.train_micro_batch_size_per_gpu() samples per micro step", balancer.sizes)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -365,6 +365,7 @@ def _common_state(engine) -> dict:
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
+        "micro_batch_sizes": engine.balancer.sizes if engine.balancer else None,
         "world_size": engine.world_size,
         "zero_stage": engine.zero.stage,
         "config": engine.config.raw,
@@ -690,6 +691,8 @@ def _load_the_rest(engine, states: dict, scheduler: bool, module_only: bool) -> 
     engine.global_steps = saved["global_steps"]
     engine.global_samples = saved["global_samples"]
     engine.micro_steps = saved["micro_steps"]
+    if engine.balancer is not None:  # before the loader's position: that is counted in micro steps
+        engine.balancer.restore(saved.get("micro_batch_sizes"))
     if states["rank"] is None:
         log_rank0("checkpoint was saved on %d ranks, this run has %d: model, optimizer and "
                   "scheduler are loaded; per-rank RNG and data positions start fresh",

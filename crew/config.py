@@ -32,6 +32,7 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from crew import balance
 from crew.errors import ConfigError
 
 __all__ = ["BF16Config", "BatchSizeError", "Config", "ConfigWarning", "FP16Config", "OptimizerConfig",
@@ -105,8 +106,13 @@ class Config(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
     train_batch_size: int = Field(gt=0, description="Samples per optimizer step, over all ranks.")
-    train_micro_batch_size_per_gpu: int = Field(gt=0, description="Samples per rank per forward/backward.")
+    train_micro_batch_size_per_gpu: int | None = Field(gt=0, description="Samples per rank per "
+                                                       "forward/backward; None when each rank has its own.")
     gradient_accumulation_steps: int = Field(gt=0, description="Micro batches per optimizer step.")
+    # crew's key: a list by global rank, or "auto" (crew/balance.py); resolved to the sizes to start with
+    train_micro_batch_size_per_rank: tuple[int, ...] | None = Field(None, description="Each global rank's "
+                                                                    "micro batch; None = DeepSpeed's even split.")
+    auto_balance: bool = Field(False, description="train_micro_batch_size_per_rank was \"auto\".")
     # DeepSpeed 0.19 defaults to None (never print); crew keeps 10, the documented DeepSpeed default.
     steps_per_print: int = Field(10, ge=1, description="Log progress every N optimizer steps.")
     gradient_clipping: float = Field(1.0, ge=0, allow_inf_nan=False, description="Max grad norm; 0 = off.")
@@ -129,7 +135,14 @@ class Config(BaseModel):
     def _cross_checks(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
-        product = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.world_size
+        per_rank = self.train_micro_batch_size_per_rank
+        if per_rank is not None:
+            total = sum(per_rank) * self.gradient_accumulation_steps
+            if len(per_rank) != self.world_size or self.train_batch_size != total:
+                raise ValueError(f"train_micro_batch_size_per_rank {list(per_rank)} does not fit train_batch_size "
+                                 f"{self.train_batch_size} on {self.world_size} ranks")
+            return self
+        product = (self.train_micro_batch_size_per_gpu or 0) * self.gradient_accumulation_steps * self.world_size
         if self.train_batch_size != product:
             raise ValueError(f"train_batch_size {self.train_batch_size} != {product} "
                              "(micro batch x grad accum x world size)")
@@ -147,10 +160,19 @@ class Config(BaseModel):
         _warn_unknown(work, source)
         auto = _drop_auto(work, source)
         given = _validate(_BatchKeys, {k: work.get(k) for k in _BATCH_KEYS}, source)
-        batch = resolve_batch_sizes(given.train_batch_size, given.train_micro_batch_size_per_gpu,
-                                    given.gradient_accumulation_steps, world_size, source, auto)
-        work.update(zip(_BATCH_KEYS, batch))
-        fields = {k: v for k, v in work.items() if k in _TOP_KEYS}
+        per_rank = work.pop(balance.KEY, None)
+        if per_rank is None:
+            batch = resolve_batch_sizes(given.train_batch_size, given.train_micro_batch_size_per_gpu,
+                                        given.gradient_accumulation_steps, world_size, source, auto)
+            work.update(zip(_BATCH_KEYS, batch))
+        else:
+            total, steps, sizes = balance.resolve(per_rank, given.train_batch_size,
+                                                  given.train_micro_batch_size_per_gpu,
+                                                  given.gradient_accumulation_steps, world_size, source)
+            micro = sizes[0] if per_rank == "auto" and len(set(sizes)) == 1 else None
+            work.update(zip(_BATCH_KEYS, (total, micro, steps)), auto_balance=per_rank == "auto")
+            work[balance.KEY] = sizes
+        fields = {k: v for k, v in work.items() if k in _TOP_KEYS | {"auto_balance"}}
         return _validate(cls, {**fields, "world_size": world_size, "source": source, "raw": raw}, source)
 
 
@@ -166,7 +188,7 @@ class _BatchKeys(BaseModel):
 
 # Known keys, per level: (what crew implements, what only DeepSpeed reads). The second set is accepted
 # without a warning and reported by ignored_keys(); move a key across when crew starts using it.
-_TOP_KEYS = frozenset(Config.model_fields) - {"world_size", "source", "raw"} | {"bfloat16"}
+_TOP_KEYS = frozenset(Config.model_fields) - {"world_size", "source", "raw", "auto_balance"} | {"bfloat16"}
 _DEEPSPEED_ONLY = frozenset({
     "activation_checkpointing", "aio", "allgather_size", "amp", "autotuning", "comet",
     "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
@@ -255,7 +277,7 @@ def _drop_auto(work: dict[str, Any], source: str) -> list[str]:
     """Remove "auto" values from the keys crew implements; return the batch keys that were "auto"."""
     auto_batch = [key for key in _BATCH_KEYS if work.get(key) == "auto"]
     for section, prefix, implemented, _ in list(_levels(work)):
-        for key in [k for k in section if k in implemented and section[k] == "auto"]:
+        for key in [k for k in section if k in implemented - {balance.KEY} and section[k] == "auto"]:
             del section[key]
             if prefix or key not in _BATCH_KEYS:
                 _warn(f"{source}: {prefix}{key} is \"auto\", which only a Hugging Face integration fills "

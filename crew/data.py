@@ -12,13 +12,15 @@ the same micro batches on every rank. What crew adds:
   index list, so skipped samples are never read (no `__getitem__`, no collate, no worker traffic).
 
 The arithmetic is in pure functions of `(num_samples, world_size, micro_batch_size, drop_last)`.
+
+With one micro batch size per rank (crew/balance.py) the split is crew's own, `_ShareSampler`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +73,48 @@ class _EpochSampler(DistributedSampler):
         self.set_by_user = True
 
 
+class _ShareSampler(torch.utils.data.Sampler):
+    """Unequal shares: every global micro step takes the next sum(sizes) indices of the epoch's order
+    and rank r the sizes[r] of them after ranks 0..r-1's. The order is DistributedSampler's (shuffled
+    by seed + epoch), padded by repeating its start to whole micro steps, or cut to them with
+    drop_last, so every rank yields the same number of micro batches. A new split between micro
+    steps moves no sample across micro steps: each one covers the same indices whatever the split."""
+
+    set_by_user = False
+
+    def __init__(self, dataset, sizes: Sequence[int], rank: int, drop_last: bool, shuffle: bool = True,
+                 seed: int = 0) -> None:
+        self.dataset, self.sizes, self.rank = dataset, list(sizes), rank
+        self.num_replicas = len(self.sizes)
+        self.drop_last, self.shuffle, self.seed, self.epoch = drop_last, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.set_by_user = epoch, True
+
+    def micro_steps(self) -> int:
+        whole, rest = divmod(len(self.dataset), sum(self.sizes))
+        return whole + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[int]:
+        order, per_step = self._order(), sum(self.sizes)
+        offset, size = sum(self.sizes[:self.rank]), self.sizes[self.rank]
+        for step in range(self.micro_steps()):
+            yield from order[step * per_step + offset:step * per_step + offset + size]
+
+    def __len__(self) -> int:
+        return self.micro_steps() * self.sizes[self.rank]
+
+    def _order(self) -> list[int]:
+        count = len(self.dataset)
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(count, generator=generator).tolist()
+        else:
+            order = list(range(count))
+        padding = self.micro_steps() * sum(self.sizes) - count
+        return order + (order * math.ceil(padding / count))[:padding] if padding > 0 else order
+
+
 def _check_dataset(dataset: Any) -> None:
     if isinstance(dataset, IterableDataset):
         raise CrewError(
@@ -90,31 +134,47 @@ def _check_int(name: str, value: Any, low: int, error: type[CrewError] = CrewErr
     return value
 
 
+def _check_sizes(sizes: Sequence[int], world_size: int) -> None:
+    if len(sizes) != world_size:
+        raise ConfigError(f"train_micro_batch_size_per_rank {list(sizes)} has {len(sizes)} entries for "
+                          f"{world_size} ranks; give one per rank.")
+    for size in sizes:
+        _check_int("each train_micro_batch_size_per_rank entry", size, 1, ConfigError)
+
+
 class DataLoader:
     """One rank's micro batches; `iter()` starts the next epoch (or resumes the saved one).
 
     Like DeepSpeedDataLoader it is its own iterator (`iter(loader)` returns the loader) and keeps
     DeepSpeed's attribute names (`data_sampler`, `batch_size`, `dataloader_drop_last`,
     `num_local_io_workers`, ...), which are read again at each `iter()`.
+
+    `micro_batch_size`: one int for every rank (DeepSpeed's split), or one per rank (crew's
+    train_micro_batch_size_per_rank), which `set_micro_batch_sizes` may change between steps.
     """
 
-    def __init__(self, dataset, micro_batch_size: int, world_size: int, rank: int,
+    def __init__(self, dataset, micro_batch_size: int | Sequence[int], world_size: int, rank: int,
                  collate_fn: Callable | None = None, drop_last: bool = False, num_workers: int = 0,
                  pin_memory: bool = False, seed: int = 0) -> None:
         _check_dataset(dataset)
-        _check_int("train_micro_batch_size_per_gpu", micro_batch_size, 1, ConfigError)
         _check_int("data parallel world size", world_size, 1)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise CrewError(f"data parallel rank must be in [0, {world_size - 1}] for world size "
                             f"{world_size}, got {rank!r}.")
         _check_int("num_workers", num_workers, 0)
+        if isinstance(micro_batch_size, Sequence):
+            _check_sizes(micro_batch_size, world_size)
+            self.data_sampler = _ShareSampler(dataset, micro_batch_size, rank, drop_last, seed=seed)
+            micro_batch_size = micro_batch_size[rank]
+        else:
+            _check_int("train_micro_batch_size_per_gpu", micro_batch_size, 1, ConfigError)
+            self.data_sampler = _EpochSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
         self.dataset = dataset
         self.batch_size = micro_batch_size
         self.collate_fn = collate_fn
         self.dataloader_drop_last = drop_last
         self.num_local_io_workers = num_workers
         self.pin_memory = pin_memory
-        self.data_sampler = _EpochSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
         self.epoch = 0
         self._consumed = 0                                  # micro batches yielded in `epoch`
         self._pending: tuple[int, int] | None = (0, 0)      # where the next iter() starts
@@ -122,8 +182,23 @@ class DataLoader:
         self._base_seed: int | None = None  # what this epoch's iterator drew from the global RNG
 
     def __len__(self) -> int:
+        if isinstance(self.data_sampler, _ShareSampler):
+            return self.data_sampler.micro_steps()
         return batches_per_epoch(len(self.dataset), self.data_sampler.num_replicas, self.batch_size,
                                  self.dataloader_drop_last)
+
+    def set_micro_batch_sizes(self, sizes: Sequence[int]) -> None:
+        """A new split from the next micro batch on (at an optimizer step boundary, on every rank).
+        Batches already prefetched with the old split are dropped; the epoch goes on from the same
+        global micro step."""
+        if not isinstance(self.data_sampler, _ShareSampler):
+            raise CrewError("set_micro_batch_sizes needs a loader built with one micro batch size per rank "
+                            "(train_micro_batch_size_per_rank in the config).")
+        _check_sizes(sizes, self.data_sampler.num_replicas)
+        self.data_sampler.sizes = list(sizes)
+        self.batch_size = sizes[self.data_sampler.rank]
+        if self._batches is not None:
+            self._resume_at(self.epoch, self._consumed)
 
     def __iter__(self) -> DataLoader:
         epoch, skip = self._next_start()

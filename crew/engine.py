@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
-from crew import checkpoint, comm, zero
+from crew import balance, checkpoint, comm, zero
 from crew.config import Config
 from crew.errors import ConfigError
 from crew.log import log_rank0
@@ -60,14 +60,18 @@ class Engine(torch.nn.Module):
         self.zero = zero.Zero(config.zero_optimization, self.world_size, self.device)
         self.precision: Precision = make_precision(config.fp16, config.bf16,
                                                    sharded=self.zero.shards_params)
+        self.balancer = balance.make(config, self.global_rank, self.device, self.zero.stage)
         self.module, replaced = self._place(model)
         self._ddp = self.zero.wrap_ddp(model)
+        if self.balancer is not None:
+            self.balancer.watch(self._ddp)
         self.optimizer = self.zero.shard_optimizer(
             self._optimizer(optimizer, model_parameters, replaced))
         self.lr_scheduler = self._scheduler(lr_scheduler)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
+        self.training_dataloader = None
         self._loss_sum: torch.Tensor | None = None
         self._last_print = (time.perf_counter(), 0)
         _LIVE_ENGINES.add(self)
@@ -118,6 +122,8 @@ class Engine(torch.nn.Module):
     # -- the step -----------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        if self.balancer is not None:
+            self.balancer.forward_started()
         with self.precision.guard():  # an op with no fp16/bf16 kernel: a clear error, not deep
             if self._ddp is None:
                 return self.module(*args, **kwargs)
@@ -131,13 +137,19 @@ class Engine(torch.nn.Module):
             loss = loss / self.gradient_accumulation_steps()
         detached = loss.detach()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        # unequal micro batches: weight each rank by its samples, so the average is over samples
+        weighted = loss if self.balancer is None else loss * self.balancer.grad_weight()
         with self.precision.guard():
-            self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+            self.precision.scale_loss(weighted).backward(retain_graph=retain_graph)
+        if self.balancer is not None:
+            self.balancer.backward_done()
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
+            if self.balancer is not None:
+                self.balancer.after_step(self.global_steps)
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
@@ -185,6 +197,9 @@ class Engine(torch.nn.Module):
         return self.config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
+        """This rank's micro batch (with train_micro_batch_size_per_rank, its current share)."""
+        if self.balancer is not None:
+            return self.balancer.micro_batch
         return self.config.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
@@ -217,9 +232,12 @@ class Engine(torch.nn.Module):
         return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     def log_batch_math(self, batches_per_epoch: int | None) -> None:
-        line = (f"micro {self.train_micro_batch_size_per_gpu()} × accumulation "
-                f"{self.gradient_accumulation_steps()} × {self.world_size} ranks = "
-                f"{self.train_batch_size()} per step")
+        accumulation = f"accumulation {self.gradient_accumulation_steps()}"
+        if self.balancer is None:
+            split = f"micro {self.train_micro_batch_size_per_gpu()} × {accumulation} × {self.world_size} ranks"
+        else:
+            split = f"micro {self.balancer.describe()} × {accumulation}"
+        line = f"{split} = {self.train_batch_size()} per step"
         if batches_per_epoch is not None:
             line += f"; {batches_per_epoch // self.gradient_accumulation_steps()} steps per epoch"
         log_rank0("%s", line)

@@ -1,0 +1,288 @@
+"""Unequal devices: each rank's micro batch, set by hand or balanced by measured speed.
+
+    "train_micro_batch_size_per_rank": [12, 4]      rank 0 takes 12 samples per micro step, rank 1 four
+    "train_micro_batch_size_per_rank": "auto"       start even, then move samples to the faster ranks
+
+Every global micro step takes sum(sizes) samples and rank r the next sizes[r] of them (crew/data.py),
+so train_batch_size stays the global batch. Rank r's loss is weighted by
+world_size * sizes[r] / sum(sizes) before the gradients are averaged, which makes the update the mean
+over every sample of the global batch: what one process taking the whole batch computes.
+
+"auto" times each rank's forward and backward up to the moment its gradients are ready, before it
+waits for the others (the last DDP bucket's hook, or the end of a no_sync backward). Every WINDOW
+optimizer steps the ranks pool their median seconds per sample and move to the split that minimises
+the slowest rank's predicted time, when that is more than TOLERANCE faster than the current one in
+two windows running (one noisy window moves nothing; the first decision needs one).
+Timing needs DDP's gradient hooks, so "auto" runs at ZeRO stages 0-1; stages 2-3 take sizes by hand.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from crew.errors import ConfigError
+from crew.log import log_rank0
+
+KEY = "train_micro_batch_size_per_rank"
+WARMUP = 1        # optimizer steps not timed after the start and after each change of split
+WINDOW = 4        # optimizer steps timed per decision
+TOLERANCE = 0.1   # move only when the predicted step time drops by more than this
+
+
+# -- the split ----------------------------------------------------------------------------------
+
+def allocate(total: int, seconds_per_sample: Sequence[float]) -> list[int]:
+    """`total` samples as one micro batch per rank (each >= 1) minimising the slowest rank's
+    predicted time size * seconds_per_sample: each sample goes to the rank that would finish it
+    first (ties to the lower rank, so every rank computes the same split)."""
+    sizes = [1] * len(seconds_per_sample)
+    heap = [(2 * cost, rank) for rank, cost in enumerate(seconds_per_sample)]
+    heapq.heapify(heap)
+    for _ in range(total - len(sizes)):
+        _, rank = heapq.heappop(heap)
+        sizes[rank] += 1
+        heapq.heappush(heap, ((sizes[rank] + 1) * seconds_per_sample[rank], rank))
+    return sizes
+
+
+def _slowest(sizes: Sequence[int], seconds_per_sample: Sequence[float]) -> float:
+    return max(size * cost for size, cost in zip(sizes, seconds_per_sample, strict=True))
+
+
+# -- the config key ------------------------------------------------------------------------------
+
+def resolve(value: Any, train_batch_size: int | None, micro: int | None, steps: int | None,
+            world_size: int, source: str) -> tuple[int, int, tuple[int, ...]]:
+    """KEY's list or "auto" with the batch keys -> (train_batch_size, gradient_accumulation_steps,
+    micro batch per rank); for "auto" the sizes are the split it starts from."""
+    from crew.config import resolve_batch_sizes
+
+    if value == "auto":
+        if micro is not None:
+            total, micro, steps = resolve_batch_sizes(train_batch_size, micro, steps, world_size, source)
+            return total, steps, (micro,) * world_size
+        return _auto_start(train_batch_size, steps, world_size, source)
+    sizes = _check_list(value, world_size, source)
+    if micro is not None:
+        raise ConfigError(
+            f"{source}: train_micro_batch_size_per_gpu {micro} and {KEY} {sizes} are both given; with "
+            f"{KEY} each rank's micro batch is its entry. Remove train_micro_batch_size_per_gpu.")
+    per_micro_step = sum(sizes)
+    if steps is None and train_batch_size is not None and train_batch_size % per_micro_step == 0:
+        steps = train_batch_size // per_micro_step
+    steps = 1 if steps is None else steps
+    if train_batch_size is not None and train_batch_size != per_micro_step * steps:
+        raise _sum_mismatch(sizes, steps, train_batch_size, source)
+    return per_micro_step * steps, steps, tuple(sizes)
+
+
+def _auto_start(train_batch_size: int | None, steps: int | None, world_size: int,
+                source: str) -> tuple[int, int, tuple[int, ...]]:
+    if train_batch_size is None:
+        raise ConfigError(
+            f"{source}: {KEY} \"auto\" needs the global batch, which it keeps fixed while it moves "
+            f"samples between ranks: set train_batch_size (e.g. {8 * world_size}) or "
+            "train_micro_batch_size_per_gpu (the even split it starts from).")
+    steps = 1 if steps is None else steps
+    if train_batch_size % steps or train_batch_size // steps < world_size:
+        good = max(train_batch_size // steps, world_size) * steps
+        raise ConfigError(
+            f"{source}: with {KEY} \"auto\", train_batch_size {train_batch_size} / "
+            f"gradient_accumulation_steps {steps} must be a whole number of samples per micro step, "
+            f"at least one per rank ({world_size}). Set train_batch_size to {good}.")
+    return train_batch_size, steps, tuple(allocate(train_batch_size // steps, [1.0] * world_size))
+
+
+def _check_list(value: Any, world_size: int, source: str) -> list[int]:
+    if not isinstance(value, list):
+        raise ConfigError(
+            f"{source}: {KEY} {json.dumps(value, default=repr)} must be a list with one micro batch "
+            f"size per global rank, e.g. {[4] * world_size}, or \"auto\".")
+    bad = [i for i, size in enumerate(value) if isinstance(size, bool) or not isinstance(size, int) or size < 1]
+    if bad:
+        fixed = [size if i not in bad else _whole(size) for i, size in enumerate(value)]
+        raise ConfigError(
+            f"{source}: {KEY}[{bad[0]}] is {json.dumps(value[bad[0]], default=repr)}: every rank's micro "
+            f"batch must be a whole number >= 1, e.g. {fixed}.")
+    if len(value) != world_size:
+        example = allocate(max(sum(value), world_size), [1.0] * world_size)
+        raise ConfigError(
+            f"{source}: {KEY} has {len(value)} entries but the job has {world_size} ranks: give one "
+            f"micro batch per global rank, in rank order, e.g. {example} (or \"auto\").")
+    return value
+
+
+def _whole(size: Any) -> int:
+    """A valid micro batch close to a bad entry (12.0 -> 12, 0 or "x" -> 1)."""
+    number = isinstance(size, (int, float)) and not isinstance(size, bool) and size == size
+    return max(1, round(size)) if number and abs(size) != float("inf") else 1
+
+
+def _sum_mismatch(sizes: list[int], steps: int, train_batch_size: int, source: str) -> ConfigError:
+    per_micro_step = sum(sizes)
+    fix = f"Set train_batch_size to {per_micro_step * steps} (or remove it)"
+    if train_batch_size % steps == 0 and train_batch_size // steps >= len(sizes):
+        scaled = allocate(train_batch_size // steps, [1 / size for size in sizes])
+        fix += f", or keep it and give sizes that sum to {train_batch_size // steps}, e.g. {scaled}"
+    return ConfigError(
+        f"{source}: {KEY} {sizes} takes {per_micro_step} samples per micro step, x "
+        f"gradient_accumulation_steps {steps} = {per_micro_step * steps} per optimizer step, but "
+        f"train_batch_size is {train_batch_size}. {fix}.")
+
+
+# -- at run time ---------------------------------------------------------------------------------
+
+class _Clock:
+    """Wall time on CPU; CUDA events on a GPU, whose work the host only queues."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+class Balancer:
+    """This rank's share of each global micro step, its gradient weight and, for "auto", the
+    timing and the re-balancing. `loader` (crew's DataLoader) follows every change of split."""
+
+    def __init__(self, sizes: Sequence[int], auto: bool, rank: int, device: torch.device) -> None:
+        self.sizes = list(sizes)
+        self.auto = auto and len(self.sizes) > 1
+        self.rank = rank
+        self.device = device
+        self.loader = None
+        self._clock = _Clock(device)
+        self._timed: list[tuple[Any, Any, int]] = []  # (start, gradients ready, samples) per micro step
+        self._started = self._ready = None
+        self._steps = 0  # optimizer steps since the start or the last change of split
+        self._decided = False
+        self._better_before = False  # the previous window also found a better split (noise guard)
+
+    @property
+    def micro_batch(self) -> int:
+        return self.sizes[self.rank]
+
+    def grad_weight(self) -> float:
+        return len(self.sizes) * self.micro_batch / sum(self.sizes)
+
+    def describe(self) -> str:
+        return f"{self.sizes} per rank{' (auto-balanced)' if self.auto else ''}"
+
+    # -- timing: forward start -> gradients ready ------------------------------------------------
+
+    def watch(self, ddp) -> None:
+        """Mark the moment each gradient bucket is ready, then all-reduce it as DDP would."""
+        if not self.auto or ddp is None:
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def hook(state, bucket):
+            self._ready = self._clock.mark()
+            return allreduce_hook(state, bucket)
+        ddp.register_comm_hook(None, hook)
+
+    def forward_started(self) -> None:
+        """The first training forward since the last backward (an eval forward under no_grad is not timed)."""
+        if self.auto and self._started is None and torch.is_grad_enabled():
+            self._started, self._ready = self._clock.mark(), None
+
+    def backward_done(self) -> None:
+        if self.auto and self._started is not None:
+            ready = self._ready if self._ready is not None else self._clock.mark()
+            self._timed.append((self._started, ready, self.micro_batch))
+            self._started = None
+
+    # -- deciding, at an optimizer step boundary (every rank, in step) ------------------------------
+
+    def after_step(self, global_step: int) -> None:
+        """On every rank at each optimizer step boundary; every WINDOW timed steps, decide."""
+        if not self.auto:
+            return
+        self._steps += 1
+        if self._steps <= WARMUP:
+            self._timed.clear()
+        elif self._steps == WARMUP + WINDOW:
+            costs = self._pooled_seconds_per_sample()
+            self._timed.clear()
+            self._steps = WARMUP
+            if all(cost == cost for cost in costs):  # NaN: a rank took no step through engine(...)
+                self._decide(global_step, costs)
+
+    def _decide(self, global_step: int, costs: list[float]) -> None:
+        proposal = allocate(sum(self.sizes), costs)
+        now, then = _slowest(proposal, costs), _slowest(self.sizes, costs)
+        shown = [round(cost * 1e3, 3) for cost in costs]
+        better = now < then * (1 - TOLERANCE)
+        confirmed, self._better_before = better and (self._better_before or not self._decided), better
+        if confirmed:
+            log_rank0("auto balance at step %d: micro batch per rank %s (was %s); measured ms per sample "
+                      "%s; predicted step %.0f%% shorter", global_step, proposal, self.sizes, shown,
+                      100 * (1 - now / then))
+            self._use(proposal)
+        elif not self._decided:
+            log_rank0("auto balance at step %d: keeping micro batch per rank %s; measured ms per "
+                      "sample %s", global_step, self.sizes, shown)
+        self._decided = True
+
+    def _pooled_seconds_per_sample(self) -> list[float]:
+        """Every rank's median seconds per sample over the window (a collective)."""
+        mine = statistics.median(self._clock.seconds(start, ready) / samples
+                                 for start, ready, samples in self._timed) if self._timed else float("nan")
+        slots = torch.zeros(len(self.sizes), dtype=torch.float64, device=self.device)
+        slots[self.rank] = mine
+        torch.distributed.all_reduce(slots)
+        return [max(cost, 1e-9) for cost in slots.tolist()]
+
+    def _use(self, sizes: list[int]) -> None:
+        self.sizes = list(sizes)
+        self._steps, self._timed, self._started = 0, [], None
+        self._decided, self._better_before = True, False
+        if self.loader is not None:
+            self.loader.set_micro_batch_sizes(self.sizes)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def restore(self, saved: list[int] | None) -> None:
+        """The split a checkpoint was saved with: "auto" continues with it; sizes set by hand win."""
+        if saved is None or list(saved) == self.sizes:
+            return
+        if not self.auto:
+            log_rank0("the checkpoint was trained with micro batch per rank %s; this run's %s %s is "
+                      "used", list(saved), KEY, self.sizes)
+        elif len(saved) != len(self.sizes) or sum(saved) != sum(self.sizes):
+            log_rank0("auto balance: the checkpoint's micro batch per rank %s does not fit this run "
+                      "(%d ranks, %d samples per micro step); starting from %s", list(saved),
+                      len(self.sizes), sum(self.sizes), self.sizes)
+        else:
+            log_rank0("auto balance: continuing with the checkpoint's micro batch per rank %s", list(saved))
+            self._use(list(saved))
+
+
+def make(config, rank: int, device: torch.device, zero_stage: int) -> Balancer | None:
+    """The engine's Balancer, or None when the config splits batches evenly (DeepSpeed's way)."""
+    if config.train_micro_batch_size_per_rank is None:
+        return None
+    if config.auto_balance and zero_stage >= 2 and config.world_size > 1:
+        raise ConfigError(
+            f"{config.source}: {KEY} \"auto\" needs ZeRO stage 0 or 1 (it times each rank through DDP's "
+            f"gradient hooks; stage {zero_stage} shards with FSDP). Set the sizes by hand, e.g. "
+            f"{list(config.train_micro_batch_size_per_rank)}, or use zero_optimization.stage 1.")
+    return Balancer(config.train_micro_batch_size_per_rank, config.auto_balance, rank, device)
