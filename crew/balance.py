@@ -12,7 +12,10 @@ over every sample of the global batch: what one process taking the whole batch c
 waits for the others (the last DDP bucket's hook, or the end of a no_sync backward). Every WINDOW
 optimizer steps the ranks pool their median seconds per sample and move to the split that minimises
 the slowest rank's predicted time, when that is more than TOLERANCE faster than the current one in
-two windows running (one noisy window moves nothing; the first decision needs one).
+two windows running (one noisy window moves nothing; the first decision needs one). The window after
+a move checks it: when the slowest rank's step did not get at least half the predicted gain (noise,
+or fixed costs per step that the per-sample model does not see) the window doubles, so moves that do
+not pay grow rare.
 Timing needs DDP's gradient hooks, so "auto" runs at ZeRO stages 0-1; stages 2-3 take sizes by hand.
 """
 
@@ -33,7 +36,8 @@ from crew.log import log_rank0
 KEY = "train_micro_batch_size_per_rank"
 WARMUP = 1        # optimizer steps not timed after the start and after each change of split
 WINDOW = 4        # optimizer steps timed per decision
-TOLERANCE = 0.1   # move only when the predicted step time drops by more than this
+MAX_WINDOW = 64   # the window doubles after each move that did not pay, up to this
+TOLERANCE = 0.05  # move only when the predicted step time drops by more than this
 
 
 # -- the split ----------------------------------------------------------------------------------
@@ -175,6 +179,8 @@ class Balancer:
         self._steps = 0  # optimizer steps since the start or the last change of split
         self._decided = False
         self._better_before = False  # the previous window also found a better split (noise guard)
+        self._window = WINDOW
+        self._promised: tuple[float, float] | None = None  # last move: slowest step before, predicted
 
     @property
     def micro_batch(self) -> int:
@@ -219,7 +225,7 @@ class Balancer:
         self._steps += 1
         if self._steps <= WARMUP:
             self._timed.clear()
-        elif self._steps == WARMUP + WINDOW:
+        elif self._steps == WARMUP + self._window:
             costs = self._pooled_seconds_per_sample()
             self._timed.clear()
             self._steps = WARMUP
@@ -229,6 +235,7 @@ class Balancer:
     def _decide(self, global_step: int, costs: list[float]) -> None:
         proposal = allocate(sum(self.sizes), costs)
         now, then = _slowest(proposal, costs), _slowest(self.sizes, costs)
+        self._judge_last_move(global_step, then)
         shown = [round(cost * 1e3, 3) for cost in costs]
         better = now < then * (1 - TOLERANCE)
         confirmed, self._better_before = better and (self._better_before or not self._decided), better
@@ -236,11 +243,26 @@ class Balancer:
             log_rank0("auto balance at step %d: micro batch per rank %s (was %s); measured ms per sample "
                       "%s; predicted step %.0f%% shorter", global_step, proposal, self.sizes, shown,
                       100 * (1 - now / then))
+            self._promised = (then, now)
             self._use(proposal)
         elif not self._decided:
             log_rank0("auto balance at step %d: keeping micro batch per rank %s; measured ms per "
                       "sample %s", global_step, self.sizes, shown)
         self._decided = True
+
+    def _judge_last_move(self, global_step: int, slowest: float) -> None:
+        """A move pays when it brought at least half the gain it predicted."""
+        if self._promised is None:
+            return
+        before, predicted = self._promised
+        self._promised = None
+        if slowest <= before - (before - predicted) / 2:
+            self._window = WINDOW
+        elif self._window < MAX_WINDOW:
+            self._window *= 2
+            log_rank0("auto balance at step %d: the last move did not pay (slowest rank %.3g -> %.3g ms, "
+                      "predicted %.3g); checking every %d steps", global_step, before * 1e3, slowest * 1e3,
+                      predicted * 1e3, self._window)
 
     def _pooled_seconds_per_sample(self) -> list[float]:
         """Every rank's median seconds per sample over the window (a collective)."""

@@ -45,6 +45,25 @@ def test_allocate_minimises_the_slowest_rank(costs):
     assert max(s * c for s, c in zip(sizes, costs, strict=True)) == pytest.approx(best)
 
 
+def test_auto_moves_at_once_first_then_on_two_windows_and_backs_off_when_moves_do_not_pay():
+    """The decision rule alone, fed per-sample times as the ranks' pooled medians would be."""
+    balancer = balance.Balancer([8, 8], auto=True, rank=0, device=torch.device("cpu"))
+    balancer._decide(5, [1.0, 3.0])
+    assert balancer.sizes == [12, 4]                       # the first decision needs one window
+    balancer._decide(10, [1.0, 3.0])                       # 12 x 1 = 4 x 3: it paid, nothing to move
+    assert balancer.sizes == [12, 4] and balancer._window == balance.WINDOW
+    balancer._decide(14, [3.0, 1.0])                       # one window says swap: not yet
+    assert balancer.sizes == [12, 4]
+    balancer._decide(18, [3.0, 1.0])                       # the second agrees
+    assert balancer.sizes == [4, 12]
+    balancer._decide(23, [9.0, 3.0])                       # slowest 36 again, not the 12 promised
+    assert balancer._window == 2 * balance.WINDOW
+    for step in range(6):                                  # the same, over and over: capped
+        balancer._promised = (36.0, 12.0)
+        balancer._decide(30 + step, [9.0, 3.0])
+    assert balancer._window == balance.MAX_WINDOW
+
+
 # -- the config key --------------------------------------------------------------------------------
 
 def resolve(world_size: int = 2, **keys) -> Config:
