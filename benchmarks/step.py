@@ -17,7 +17,6 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,22 +132,14 @@ def main() -> None:
 
 
 def print_table(runs: dict[str, list[list[float]]], failures: dict[str, str], args) -> None:
+    from _ddp_baseline import step_time_table
+
     print(f"model: {DEPTH} x Linear({WIDTH}, {WIDTH}) + head, micro batch {MICRO_BATCH}, "
           f"2 CPU ranks (gloo), AdamW, clip {CLIP}; steps {FIRST_TIMED_STEP}-{args.steps} of "
           f"{args.repeat} run(s) per mode")
-    print(f"{'mode':<10} | {'median ms':>9} | {'run medians ms':>20} | {'vs DDP':>7}")
-    print("-" * 10 + "-+-" + "-" * 9 + "-+-" + "-" * 20 + "-+-" + "-" * 7)
-    medians = {}
-    for mode, mode_runs in runs.items():
-        if not mode_runs:
-            print(f"{mode:<10} | {failures.get(mode, 'no run')}")
-            continue
-        medians[mode] = statistics.median(t for run in mode_runs for t in run)
-        per_run = ", ".join(f"{statistics.median(run) * 1e3:.0f}" for run in mode_runs)
-        ratio = medians[mode] / medians["ddp"] if "ddp" in medians else float("nan")
-        print(f"{mode:<10} | {medians[mode] * 1e3:9.1f} | {per_run:>20} | {ratio:7.3f}")
+    medians = step_time_table(runs, failures)
     if "deepspeed" not in runs:
-        print(f"{'deepspeed':<10} | not installed")
+        print(f"{'deepspeed':<11} | not installed")
     if "crew" in medians and "ddp" in medians:
         print(f"crew / DDP step time: {medians['crew'] / medians['ddp']:.3f} (target <= 1.05)")
 

@@ -59,7 +59,6 @@ import importlib.util
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -400,18 +399,9 @@ def ratio_lines(runs: dict[str, list[list[dict]]]) -> None:
 
 
 def time_table(modes: list[str], runs: dict[str, list[list[dict]]], failures: dict[str, str]) -> None:
-    print(f"{'mode':<11} | {'median ms':>9} | {'run medians ms':>20} | {'vs DDP':>6}")
-    print("-" * 11 + "-+-" + "-" * 9 + "-+-" + "-" * 20 + "-+-" + "-" * 6)
-    medians = {}
-    for mode in modes:
-        rank0 = [run[0]["times"] for run in runs[mode]]
-        if not rank0:
-            print(f"{mode:<11} | {failures.get(mode, 'no run')}")
-            continue
-        medians[mode] = statistics.median(t for times in rank0 for t in times)
-        per_run = ", ".join(f"{statistics.median(times) * 1e3:.0f}" for times in rank0)
-        ratio = medians[mode] / medians["ddp"] if "ddp" in medians else float("nan")
-        print(f"{mode:<11} | {medians[mode] * 1e3:9.0f} | {per_run:>20} | {ratio:6.2f}")
+    from _ddp_baseline import step_time_table
+
+    step_time_table({mode: [run[0]["times"] for run in runs[mode]] for mode in modes}, failures)
 
 
 LEGEND = """\

@@ -105,7 +105,7 @@ def _auto_start(train_batch_size: int | None, steps: int | None, world_size: int
 
 
 def _check_list(value: Any, world_size: int, source: str) -> list[int]:
-    if not isinstance(value, list):
+    if not isinstance(value, (list, tuple)):
         raise ConfigError(
             f"{source}: {KEY} {json.dumps(value, default=repr)} must be a list with one micro batch "
             f"size per global rank, e.g. {[4] * world_size}, or \"auto\".")
@@ -120,7 +120,7 @@ def _check_list(value: Any, world_size: int, source: str) -> list[int]:
         raise ConfigError(
             f"{source}: {KEY} has {len(value)} entries but the job has {world_size} ranks: give one "
             f"micro batch per global rank, in rank order, e.g. {example} (or \"auto\").")
-    return value
+    return list(value)
 
 
 def _whole(size: Any) -> int:

@@ -76,6 +76,7 @@ def test_a_list_sets_each_rank_and_keeps_train_batch_size_global():
     assert config.train_micro_batch_size_per_rank == (12, 4)
     assert config.train_micro_batch_size_per_gpu is None and not config.auto_balance
     assert resolve(train_micro_batch_size_per_rank=[5, 3], gradient_accumulation_steps=3).train_batch_size == 24
+    assert resolve(train_micro_batch_size_per_rank=(5, 3)).train_micro_batch_size_per_rank == (5, 3)
 
 
 def test_auto_starts_from_the_even_split_of_the_global_batch():
