@@ -190,16 +190,18 @@ def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0) -
         program=(args.script or "<script>", *getattr(args, "script_args", [])),
         cwd=cwd, mode=mode, env=plan.env, local_rank_arg=not args.no_local_rank,
         log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
-        restart_count=restart_count)
+        restart_count=restart_count, init_timeout=getattr(args, "init_timeout", None) or 0.0)
 
 
-def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace):
+def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,
+                   module: str = runners.AGENT_MODULE):
+    """How each node's agent (or another crew module, e.g. the doctor's probe) gets started."""
     ports = [node.ssh_port for node in launch.plan.nodes]
     if launch.launcher == "ssh":
-        return runners.ssh_launches(job, args.python, ports, launch.ssh_args)
+        return runners.ssh_launches(job, args.python, ports, launch.ssh_args, module)
     if launch.launcher == "pdsh":
-        return runners.pdsh_launches(job, args.python, ports, launch.ssh_args)
-    return runners.local_launches(job, args.python, args.node_rank or 0)
+        return runners.pdsh_launches(job, args.python, ports, launch.ssh_args, module)
+    return runners.local_launches(job, args.python, args.node_rank or 0, module)
 
 
 def format_layout(launch: Launch, job_id: str | None = None) -> str:
@@ -242,6 +244,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not Path(args.script).is_file():
             raise CrewError(f"crew run: script {args.script} not found (in {os.getcwd()}).")
     console = Console(sys.stdout.buffer, sys.stderr.buffer)
+    if args.sync:
+        sync_code(launch, args, [], console.say)
+    if not args.skip_preflight:
+        from crew.launcher import doctor
+
+        code = doctor.preflight(launch, args, console.say)
+        if code:
+            return code
     ports = {node.node_rank: node.ssh_port for node in launch.plan.nodes}
     for attempt in range(args.max_restarts + 1):
         job = job_spec(launch, args, restart_count=attempt)
@@ -252,6 +262,32 @@ def cmd_run(args: argparse.Namespace) -> int:
             return code
         console.say(f"restarting the job ({attempt + 1} of {args.max_restarts}).")
     return code
+
+
+def remote_nodes(launch: Launch) -> list[tuple[str, int | None]]:
+    """(host, ssh port) of each node reached over ssh; none for the local and standalone launchers."""
+    if launch.launcher not in ("ssh", "pdsh"):
+        return []
+    return [(node.host, node.ssh_port) for node in launch.plan.nodes]
+
+
+def sync_code(launch: Launch, args: argparse.Namespace, paths: list[str], say) -> None:
+    from crew.launcher import sync
+
+    sync.sync_nodes(remote_nodes(launch), paths, Path.cwd(), launch.ssh_args,
+                    getattr(args, "sync_tool", "auto"), say)
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    launch = resolve(args)
+    sync_code(launch, args, args.paths, lambda text: print(f"crew: {text}", file=sys.stderr))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from crew.launcher import doctor
+
+    return doctor.run_doctor(resolve(args), args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -287,9 +323,38 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="launch SCRIPT on every slot of the world",
                               allow_abbrev=False)
     add_launch_options(run)
+    _option(run, "--init_timeout", type=float, default=600.0, metavar="SECONDS",
+            help="stop the job, with a report and each rank's stack, when not every rank has joined "
+                 "the process group this many seconds after the first did (or after the start, when "
+                 "none did); 0: wait forever (default: 600)")
+    _option(run, "--skip_preflight", action="store_true",
+            help="start without the quick check of every node (ssh, versions, script hash)")
+    _option(run, "--sync", action="store_true",
+            help="first copy the working directory to every node (as `crew sync`)")
     run.add_argument("script", nargs="?", help="training script (or module, or executable)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=cmd_run)
+    doctor = commands.add_parser("doctor", help="check every node of the plan (ssh, versions, code, "
+                                 "devices, master port, interfaces, disk) and print each fix",
+                                 allow_abbrev=False)
+    add_launch_options(doctor)
+    _option(doctor, "--json", action="store_true", help="print the checks as JSON")
+    _option(doctor, "--save_dir", metavar="DIR", help="where checkpoints go: check free disk there "
+            "(default: the script's --save_dir/--output_dir/--checkpoint_dir argument, if any)")
+    _option(doctor, "--min_free_disk", default="10GB", metavar="SIZE",
+            help="least free space wanted in the save dir (default: 10GB)")
+    doctor.add_argument("script", nargs="?", help="training script: checked to be the same everywhere")
+    doctor.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (read for a "
+                        "save dir)")
+    doctor.set_defaults(handler=cmd_doctor)
+    sync = commands.add_parser("sync", help="copy the working directory (or PATHS) to the same path "
+                               "on every node, honouring .crewignore", allow_abbrev=False)
+    add_launch_options(sync)
+    _option(sync, "--sync_tool", choices=("auto", "rsync", "tar"), default="auto",
+            help="how to copy: rsync when installed (auto), or tar over ssh")
+    sync.add_argument("paths", nargs="*", help="files or folders to copy (default: the working "
+                      "directory)")
+    sync.set_defaults(handler=cmd_sync)
     plan = commands.add_parser("plan", help="print the resolved world; start nothing",
                                allow_abbrev=False)
     add_launch_options(plan)

@@ -130,3 +130,23 @@ def cluster(tmp_path_factory):
     nodes = sshnodes.start_cluster(tmp_path_factory.mktemp("nodes"), 2)
     yield nodes
     nodes.stop()
+
+
+@pytest.fixture
+def make_cluster(tmp_path):
+    """Start loopback ssh nodes for one test; `binds` gives a node its own view of some paths."""
+    reason = sshnodes.sshd_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    started = []
+
+    def start(count: int = 2, binds: sshnodes.Binds | None = None) -> sshnodes.Cluster:
+        if binds and (why := sshnodes.mount_namespace_missing_reason()):
+            pytest.skip(why)
+        nodes = sshnodes.start_cluster(tmp_path / f"nodes{len(started)}", count, binds)
+        started.append(nodes)
+        return nodes
+
+    yield start
+    for nodes in started:
+        nodes.stop()

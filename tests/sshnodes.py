@@ -5,11 +5,16 @@ with its own host key, a throwaway client key, and an ssh_config file that pins 
 known_hosts file holding exactly these host keys. Host-key checking stays on. Tests reach the nodes
 through crew's real ssh runner with `--ssh_args "-F <config>"` (or CREW_SSH_ARGS).
 Used by the tests and by benchmarks/launch.py.
+
+A node can get its own view of the filesystem: its sshd starts in a mount namespace of its own
+(`unshare --mount`) with bind mounts, so a file or folder at one path differs on that node only, as
+on a real second machine. Every command run over ssh on that node inherits the view.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -19,6 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+def mount_namespace_missing_reason() -> str | None:
+    """Why a node cannot get its own filesystem view here, or None when it can."""
+    if not shutil.which("unshare"):
+        return "unshare is not installed (util-linux)"
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create a mount namespace here: {probe.stderr.strip()} (needs root)"
+    return None
 
 
 def sshd_missing_reason() -> str | None:
@@ -80,7 +96,10 @@ class Cluster:
             self.stop_node(address)
 
 
-def start_cluster(root: Path, count: int = 2) -> Cluster:
+Binds = dict[str, list[tuple[Path, Path]]]  # address -> [(source, mount point)] seen by that node only
+
+
+def start_cluster(root: Path, count: int = 2, binds: Binds | None = None) -> Cluster:
     root.mkdir(parents=True, exist_ok=True)
     addresses = [f"127.0.0.{i + 2}" for i in range(count)]
     port = free_port_on(addresses)
@@ -103,7 +122,7 @@ def start_cluster(root: Path, count: int = 2) -> Cluster:
     cluster = Cluster(root, addresses, port, config)
     try:
         for address in addresses:
-            cluster.procs[address] = _start_sshd(root, address, port)
+            cluster.procs[address] = _start_sshd(root, address, port, (binds or {}).get(address, []))
         for address in addresses:
             _wait_listening(address, port, cluster.procs[address])
     except BaseException:
@@ -117,7 +136,8 @@ def _keygen(path: Path) -> None:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
 
 
-def _start_sshd(root: Path, address: str, port: int) -> subprocess.Popen:
+def _start_sshd(root: Path, address: str, port: int,
+                binds: list[tuple[Path, Path]]) -> subprocess.Popen:
     config = root / f"sshd_{address}.conf"
     config.write_text(
         f"ListenAddress {address}:{port}\n"
@@ -131,7 +151,13 @@ def _start_sshd(root: Path, address: str, port: int) -> subprocess.Popen:
         "StrictModes no\n"
         "MaxStartups 100\n"
         "MaxSessions 100\n")
-    return subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
+    argv = [SSHD, "-D", "-e", "-f", str(config)]
+    if binds:  # sh mounts, then becomes sshd: the pid stays the one to stop
+        mounts = "".join(f"mount --bind {shlex.quote(str(src))} {shlex.quote(str(dst))} && "
+                         for src, dst in binds)
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                f"{mounts}exec {shlex.join(argv)}"]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=open(root / f"sshd_{address}.log", "ab"),
                             start_new_session=True)
 

@@ -18,27 +18,10 @@ from typing import BinaryIO
 
 from crew.launcher.proc import die_with_parent, signal_tree
 from crew.launcher.protocol import JobSpec, decode_event
-from crew.launcher.runners import AgentLaunch
+from crew.launcher.runners import AgentLaunch, ssh_fix
 
 STOP_WAIT_S = 15.0  # after asking agents to stop: their grace period plus this, then SIGKILL
 AGENT_TAIL_LINES = 20
-_SSH_FIXES = (
-    ("Permission denied", "the key is not authorised there. Run 'ssh-copy-id {port}{host}' "
-     "(or add the key to ~/.ssh/authorized_keys on {host}); 'ssh {port}{host} true' must work "
-     "without a password."),
-    ("Host key verification failed", "{host} is not in ~/.ssh/known_hosts. Connect once by hand "
-     "('ssh {port}{host} true') and check the fingerprint, or add it with 'ssh-keyscan {port}{host}"
-     " >> ~/.ssh/known_hosts'."),
-    ("Connection refused", "nothing listens for ssh there. Start sshd on {host}, or give the "
-     "right ssh port in the hostfile ('{host}:<port> slots=N')."),
-    ("Could not resolve hostname", "the name does not resolve. Fix the hostfile, or add a 'Host' "
-     "entry with a HostName to ~/.ssh/config."),
-    ("timed out", "{host} does not answer. Check the address, the port and the firewall."),
-    ("No module named", "crew is not installed for that Python on {host}. Install crew there in "
-     "the same environment (same path), or pass --python with the interpreter that has it."),
-    ("No such file or directory", "the Python interpreter is missing at that path on {host}. "
-     "Install the same environment at the same path on every node, or pass --python."),
-)
 
 
 @dataclass
@@ -246,13 +229,10 @@ class JobRun:
     def _describe_agent_failure(self, agent: Agent, code: int) -> str:
         tail = "\n".join(f"    {line}" for line in agent.stderr_tail) or "    (nothing)"
         host = agent.launch.label
-        port = self.ports.get(agent.launch.node_ranks[0])
-        port_flag = f"-p {port} " if port else ""
-        fix = next((fix for needle, fix in _SSH_FIXES
-                    if any(needle in line for line in agent.stderr_tail)), None)
+        fix = ssh_fix(agent.stderr_tail, host, self.ports.get(agent.launch.node_ranks[0]))
         message = f"{host}: the crew agent ended with code {code} before its ranks finished."
         if fix:
-            message += " " + fix.format(host=host, port=port_flag)
+            message += " " + fix
         return f"{message}\n  Its last stderr lines:\n{tail}"
 
     def _exit_code(self) -> int:

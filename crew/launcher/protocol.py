@@ -39,6 +39,7 @@ class JobSpec:
     log_dir: str | None = None
     grace_s: float = 5.0
     restart_count: int = 0
+    init_timeout: float = 600.0  # seconds for every rank to join the process group; 0: no limit
 
     @property
     def world_size(self) -> int:

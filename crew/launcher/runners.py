@@ -22,6 +22,24 @@ RUNNERS = ("local", "ssh", "pdsh", "standalone", "slurm")
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
                "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6")
 
+_SSH_FIXES = (
+    ("Permission denied", "the key is not authorised there. Run 'ssh-copy-id {port}{host}' "
+     "(or add the key to ~/.ssh/authorized_keys on {host}); 'ssh {port}{host} true' must work "
+     "without a password."),
+    ("Host key verification failed", "{host} is not in ~/.ssh/known_hosts. Connect once by hand "
+     "('ssh {port}{host} true') and check the fingerprint, or add it with 'ssh-keyscan {port}{host}"
+     " >> ~/.ssh/known_hosts'."),
+    ("Connection refused", "nothing listens for ssh there. Start sshd on {host}, or give the "
+     "right ssh port in the hostfile ('{host}:<port> slots=N')."),
+    ("Could not resolve hostname", "the name does not resolve. Fix the hostfile, or add a 'Host' "
+     "entry with a HostName to ~/.ssh/config."),
+    ("timed out", "{host} does not answer. Check the address, the port and the firewall."),
+    ("No module named", "crew is not installed for that Python on {host}. Install crew there in "
+     "the same environment (same path), or pass --python with the interpreter that has it."),
+    ("No such file or directory", "the Python interpreter is missing at that path on {host}. "
+     "Install the same environment at the same path on every node, or pass --python."),
+)
+
 
 @dataclass(frozen=True)
 class AgentLaunch:
@@ -34,41 +52,48 @@ class AgentLaunch:
     env: dict[str, str] | None = None  # extra environment for this launching-side process
 
 
-def agent_argv(python: str, job: JobSpec, node_rank: int | str, *extra: str) -> list[str]:
-    return [python, "-u", "-m", AGENT_MODULE, "--job", job.job_id,
-            "--node_rank", str(node_rank), *extra]
+def agent_argv(python: str, job: JobSpec, node_rank: int | str, *extra: str,
+               module: str = AGENT_MODULE) -> list[str]:
+    return [python, "-u", "-m", module, "--job", job.job_id, "--node_rank", str(node_rank), *extra]
 
 
-def remote_command(python: str, job: JobSpec, node_rank: int | str, *extra: str) -> str:
+def remote_command(python: str, job: JobSpec, node_rank: int | str, *extra: str,
+                   module: str = AGENT_MODULE) -> str:
     """Shell text for the remote side: go to the launching directory, start the agent there.
 
     A failed `cd` does not stop the agent: it reports the missing directory itself, with the fix.
     PYTHONPATH is set for the agent too, so crew runs from a source checkout on every node.
     """
-    command = shlex.join(agent_argv(python, job, node_rank, *extra))
+    command = shlex.join(agent_argv(python, job, node_rank, *extra, module=module))
     if "PYTHONPATH" in job.env:
         command = f"env PYTHONPATH={shlex.quote(job.env['PYTHONPATH'])} {command}"
     return f"cd {shlex.quote(job.cwd)}; exec {command}"
 
 
-def local_launches(job: JobSpec, python: str, node_rank: int = 0) -> list[AgentLaunch]:
+def ssh_argv(host: str, port: int | None, ssh_args: Sequence[str], command: str) -> list[str]:
+    """The ssh client command that runs the shell text `command` on `host`."""
+    return ["ssh", *SSH_OPTIONS, *ssh_args, *(["-p", str(port)] if port else []), "--", host, command]
+
+
+def local_launches(job: JobSpec, python: str, node_rank: int = 0,
+                   module: str = AGENT_MODULE) -> list[AgentLaunch]:
     """`local` (one node, this machine) and `standalone` (this machine's node of a larger world)."""
-    return [AgentLaunch((node_rank,), tuple(agent_argv(python, job, node_rank)),
+    return [AgentLaunch((node_rank,), tuple(agent_argv(python, job, node_rank, module=module)),
                         job.nodes[node_rank].host)]
 
 
 def ssh_launches(job: JobSpec, python: str, ports: Sequence[int | None],
-                 ssh_args: Sequence[str] = ()) -> list[AgentLaunch]:
+                 ssh_args: Sequence[str] = (), module: str = AGENT_MODULE) -> list[AgentLaunch]:
     launches = []
     for node_rank, (node, port) in enumerate(zip(job.nodes, ports, strict=True)):
-        argv = ["ssh", *SSH_OPTIONS, *ssh_args, *(["-p", str(port)] if port else []),
-                "--", node.host, remote_command(python, job, node_rank)]
-        launches.append(AgentLaunch((node_rank,), tuple(argv), node.host))
+        command = remote_command(python, job, node_rank, module=module)
+        launches.append(AgentLaunch((node_rank,), tuple(ssh_argv(node.host, port, ssh_args, command)),
+                                    node.host))
     return launches
 
 
 def pdsh_launches(job: JobSpec, python: str, ports: Sequence[int | None],
-                  ssh_args: Sequence[str] = ()) -> list[AgentLaunch]:
+                  ssh_args: Sequence[str] = (), module: str = AGENT_MODULE) -> list[AgentLaunch]:
     """One pdsh for all nodes; pdsh puts each node's rank in its list where the command says %n."""
     if not shutil.which("pdsh"):
         raise LaunchError(
@@ -83,7 +108,8 @@ def pdsh_launches(job: JobSpec, python: str, ports: Sequence[int | None],
             "--launcher ssh, which reads the ports from the hostfile.")
     port = distinct.pop()
     ssh = [*SSH_OPTIONS, *ssh_args, *(["-p", str(port)] if port else [])]
-    command = remote_command(python, job, "%n", "--spec_b64", job.to_b64(), "--watch", "stdout")
+    command = remote_command(python, job, "%n", "--spec_b64", job.to_b64(), "--watch", "stdout",
+                             module=module)
     argv = ["pdsh", "-S", "-N", "-R", "ssh", "-f", str(max(32, len(job.nodes))),
             "-w", ",".join(node.host for node in job.nodes), command]
     return [AgentLaunch(tuple(range(len(job.nodes))), tuple(argv), "pdsh", spec_on_stdin=False,
@@ -106,3 +132,12 @@ def resolve_ssh_host(host: str, port: int | None, ssh_args: Sequence[str] = ()) 
         if key == "hostname" and value:
             return value
     return host
+
+
+def ssh_fix(stderr_lines: Sequence[str], host: str, port: int | None) -> str | None:
+    """The fix for the first known ssh (or remote Python) failure in `stderr_lines`, if any."""
+    port_flag = f"-p {port} " if port else ""
+    for needle, fix in _SSH_FIXES:
+        if any(needle in line for line in stderr_lines):
+            return fix.format(host=host, port=port_flag)
+    return None
