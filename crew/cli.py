@@ -194,14 +194,14 @@ def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0) -
 
 
 def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,
-                   module: str = runners.AGENT_MODULE):
+                   module: str = runners.AGENT_MODULE, extra: tuple[str, ...] = ()):
     """How each node's agent (or another crew module, e.g. the doctor's probe) gets started."""
     ports = [node.ssh_port for node in launch.plan.nodes]
     if launch.launcher == "ssh":
-        return runners.ssh_launches(job, args.python, ports, launch.ssh_args, module)
+        return runners.ssh_launches(job, args.python, ports, launch.ssh_args, module, extra)
     if launch.launcher == "pdsh":
-        return runners.pdsh_launches(job, args.python, ports, launch.ssh_args, module)
-    return runners.local_launches(job, args.python, args.node_rank or 0, module)
+        return runners.pdsh_launches(job, args.python, ports, launch.ssh_args, module, extra)
+    return runners.local_launches(job, args.python, args.node_rank or 0, module, extra)
 
 
 def format_layout(launch: Launch, job_id: str | None = None) -> str:
@@ -274,8 +274,7 @@ def remote_nodes(launch: Launch) -> list[tuple[str, int | None]]:
 def sync_code(launch: Launch, args: argparse.Namespace, paths: list[str], say) -> None:
     from crew.launcher import sync
 
-    sync.sync_nodes(remote_nodes(launch), paths, Path.cwd(), launch.ssh_args,
-                    getattr(args, "sync_tool", "auto"), say)
+    sync.sync_nodes(remote_nodes(launch), paths, Path.cwd(), launch.ssh_args, args.sync_tool, say)
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
@@ -331,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
             help="start without the quick check of every node (ssh, versions, script hash)")
     _option(run, "--sync", action="store_true",
             help="first copy the working directory to every node (as `crew sync`)")
+    _option(run, "--sync_tool", choices=("auto", "rsync", "tar"), default="auto",
+            help="how --sync copies: rsync when installed (auto), or tar over ssh")
     run.add_argument("script", nargs="?", help="training script (or module, or executable)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=cmd_run)

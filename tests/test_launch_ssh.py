@@ -130,11 +130,13 @@ def test_dropped_ssh_connection_stops_that_nodes_ranks(cluster, job_dir):
     assert not wait_until_gone(job_dir, timeout=15)
 
 
+# The next three skip the preflight, which would refuse first (tests/test_doctor.py): the agents'
+# own reports are what a standalone or --skip_preflight run gets.
 def test_unreachable_node_is_reported_with_the_fix(cluster, job_dir):
     hostfile = job_dir / "hosts"
     hostfile.write_text(f"127.0.0.2:{cluster.port} slots=1\n127.0.0.9:{cluster.port} slots=1\n")
     write_script(job_dir, "step.py", STEPPER)
-    result = ssh_run(cluster, "-H", str(hostfile), "step.py", cwd=job_dir)
+    result = ssh_run(cluster, "--skip_preflight", "-H", str(hostfile), "step.py", cwd=job_dir)
     assert result.code == 255
     assert "127.0.0.9: the crew agent ended with code 255" in result.err
     assert "Connection refused" in result.err and "Start sshd on 127.0.0.9" in result.err
@@ -146,15 +148,16 @@ def test_unauthorised_key_is_reported_with_ssh_copy_id(cluster, job_dir):
     config.write_text(cluster.config.read_text().replace(
         str(cluster.root / "client_key"), str(job_dir / "stranger_key")))
     write_script(job_dir, "step.py", STEPPER)
-    result = crew("run", "--ssh_args", f"-F {config}", "-H", str(cluster.hostfile(slots=1)),
-                  "step.py", cwd=job_dir)
+    result = crew("run", "--skip_preflight", "--ssh_args", f"-F {config}", "-H",
+                  str(cluster.hostfile(slots=1)), "step.py", cwd=job_dir)
     assert result.code == 255
     assert re.search(rf"ssh-copy-id -p {cluster.port} 127\.0\.0\.[23]'", result.err)
 
 
 def test_code_missing_on_a_node_is_named(cluster, job_dir):
     write_script(job_dir, "reduce.py", ALL_REDUCE)
-    result = ssh_run(cluster, "-H", str(cluster.hostfile(slots=1)), "not_copied.py", cwd=job_dir)
+    result = ssh_run(cluster, "--skip_preflight", "-H", str(cluster.hostfile(slots=1)), "not_copied.py",
+                     cwd=job_dir)
     assert result.code == 1
     assert re.search(r"not_copied.py not found on 127\.0\.0\.[23]\. Copy the code", result.err)
 

@@ -75,25 +75,25 @@ def ssh_argv(host: str, port: int | None, ssh_args: Sequence[str], command: str)
     return ["ssh", *SSH_OPTIONS, *ssh_args, *(["-p", str(port)] if port else []), "--", host, command]
 
 
-def local_launches(job: JobSpec, python: str, node_rank: int = 0,
-                   module: str = AGENT_MODULE) -> list[AgentLaunch]:
+def local_launches(job: JobSpec, python: str, node_rank: int = 0, module: str = AGENT_MODULE,
+                   extra: Sequence[str] = ()) -> list[AgentLaunch]:
     """`local` (one node, this machine) and `standalone` (this machine's node of a larger world)."""
-    return [AgentLaunch((node_rank,), tuple(agent_argv(python, job, node_rank, module=module)),
-                        job.nodes[node_rank].host)]
+    argv = agent_argv(python, job, node_rank, *extra, module=module)
+    return [AgentLaunch((node_rank,), tuple(argv), job.nodes[node_rank].host)]
 
 
-def ssh_launches(job: JobSpec, python: str, ports: Sequence[int | None],
-                 ssh_args: Sequence[str] = (), module: str = AGENT_MODULE) -> list[AgentLaunch]:
+def ssh_launches(job: JobSpec, python: str, ports: Sequence[int | None], ssh_args: Sequence[str] = (),
+                 module: str = AGENT_MODULE, extra: Sequence[str] = ()) -> list[AgentLaunch]:
     launches = []
     for node_rank, (node, port) in enumerate(zip(job.nodes, ports, strict=True)):
-        command = remote_command(python, job, node_rank, module=module)
+        command = remote_command(python, job, node_rank, *extra, module=module)
         launches.append(AgentLaunch((node_rank,), tuple(ssh_argv(node.host, port, ssh_args, command)),
                                     node.host))
     return launches
 
 
-def pdsh_launches(job: JobSpec, python: str, ports: Sequence[int | None],
-                  ssh_args: Sequence[str] = (), module: str = AGENT_MODULE) -> list[AgentLaunch]:
+def pdsh_launches(job: JobSpec, python: str, ports: Sequence[int | None], ssh_args: Sequence[str] = (),
+                  module: str = AGENT_MODULE, extra: Sequence[str] = ()) -> list[AgentLaunch]:
     """One pdsh for all nodes; pdsh puts each node's rank in its list where the command says %n."""
     if not shutil.which("pdsh"):
         raise LaunchError(
@@ -108,7 +108,7 @@ def pdsh_launches(job: JobSpec, python: str, ports: Sequence[int | None],
             "--launcher ssh, which reads the ports from the hostfile.")
     port = distinct.pop()
     ssh = [*SSH_OPTIONS, *ssh_args, *(["-p", str(port)] if port else [])]
-    command = remote_command(python, job, "%n", "--spec_b64", job.to_b64(), "--watch", "stdout",
+    command = remote_command(python, job, "%n", *extra, "--spec_b64", job.to_b64(), "--watch", "stdout",
                              module=module)
     argv = ["pdsh", "-S", "-N", "-R", "ssh", "-f", str(max(32, len(job.nodes))),
             "-w", ",".join(node.host for node in job.nodes), command]
@@ -116,23 +116,32 @@ def pdsh_launches(job: JobSpec, python: str, ports: Sequence[int | None],
                         env={"PDSH_SSH_ARGS_APPEND": shlex.join(ssh)})]
 
 
-def resolve_ssh_host(host: str, port: int | None, ssh_args: Sequence[str] = ()) -> str:
-    """The address ssh really connects to for `host` (~/.ssh/config HostName), else `host`.
+def ssh_config(host: str, port: int | None, ssh_args: Sequence[str] = ()) -> dict:
+    """What ssh would use for `host` (`ssh -G`: ~/.ssh/config evaluated, no connection opened).
 
-    Used for the default master address: an ssh alias means nothing to the ranks' TCP store.
-    `ssh -G` only evaluates the configuration; it opens no connection.
+    Keys are lower case; `identityfile` is a list. Empty when ssh cannot say.
     """
     argv = ["ssh", "-G", *ssh_args, *(["-p", str(port)] if port else []), "--", host]
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
-        return host
+        return {}
+    config: dict = {"identityfile": []}
     for line in result.stdout.splitlines():
         key, _, value = line.partition(" ")
-        if key == "hostname" and value:
-            return value
-    return host
+        if key == "identityfile":
+            config[key].append(value)
+        elif value:
+            config.setdefault(key, value)
+    return config
 
+
+def resolve_ssh_host(host: str, port: int | None, ssh_args: Sequence[str] = ()) -> str:
+    """The address ssh really connects to for `host` (~/.ssh/config HostName), else `host`.
+
+    Used for the default master address: an ssh alias means nothing to the ranks' TCP store.
+    """
+    return ssh_config(host, port, ssh_args).get("hostname") or host
 
 def ssh_fix(stderr_lines: Sequence[str], host: str, port: int | None) -> str | None:
     """The fix for the first known ssh (or remote Python) failure in `stderr_lines`, if any."""
