@@ -18,7 +18,8 @@ Cases:
   `torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port <free> job.py`
   (vs `deepspeed --num_gpus 2 job.py`).
 * ssh: two throwaway sshd "nodes" on 127.0.0.2 and 127.0.0.3 (tests/sshnodes.py), one slot each.
-  crew: `crew run -H <hostfile> --ssh_args "-F <ssh_config>" job.py`. torchrun has no multi-node
+  crew: `crew run -H <hostfile> --ssh_args "-F <ssh_config>" job.py`, and again with
+  --skip_preflight, to show what the preflight (ssh, versions, script hash) costs. torchrun has no multi-node
   launcher of its own, so it is started on each node over ssh at the same time
   (`python -m torch.distributed.run --nnodes 2 --nproc_per_node 1 --node_rank K ...`), and the wall
   time runs until both ssh sessions have exited. deepspeed (when installed) goes through pdsh.
@@ -252,6 +253,9 @@ def tool(name: str, module: str) -> list[str]:
     return [found] if found else [sys.executable, "-m", module]
 
 
+NO_PREFLIGHT = "crew --skip_preflight"
+
+
 def deepspeed_cmd() -> list[str] | None:
     script = BIN / "deepspeed"
     if script.exists():
@@ -278,10 +282,11 @@ def local_launch(launcher: str) -> Launch:
 def ssh_launch(launcher: str, cluster: sshnodes.Cluster) -> Launch:
     job = str(JOB)
     ssh = ["ssh", *SSH_OPTIONS, "-F", str(cluster.config)]
-    if launcher == "crew":
+    if launcher in ("crew", NO_PREFLIGHT):
         hostfile = cluster.hostfile(slots=1)
+        skip = ["--skip_preflight"] if launcher == NO_PREFLIGHT else []
         return Launch([[*tool("crew", "crew"), "run", "-H", str(hostfile),
-                        "--ssh_args", cluster.ssh_args, job]])
+                        "--ssh_args", cluster.ssh_args, *skip, job]])
     if launcher == "torchrun":
         # One torchrun per node, all started at once. Each writes its pid (the shell's, which exec
         # hands to torchrun) so that a timed-out run can be stopped on the node: killing the local
@@ -363,6 +368,8 @@ def new_cases(case: str) -> list[Case]:
         cases[2].skipped = "not installed"
     elif case == "ssh" and not shutil.which("pdsh"):
         cases[2].skipped = "pdsh not installed"
+    if case == "ssh":  # what the preflight (one more ssh round trip per node) costs
+        cases.insert(1, Case(case, NO_PREFLIGHT))
     return cases
 
 

@@ -1,0 +1,72 @@
+"""The doctor's rules that need no nodes: interface names, device counts, where checkpoints go."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from crew.launcher import doctor, probe
+from crew.launcher.plan import NodePlan
+
+NAMES = ["docker0", "eth0", "eth1", "ib0", "lo"]
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("eth", True), ("eth0", True), ("=eth0", True), ("=eth", False), ("ib", True), ("wlan", False),
+    ("wlan,ib", True), ("^docker,lo", True), ("^=eth0", True), ("^docker0,eth,ib0,lo", False),
+])
+def test_nccl_socket_ifname_follows_nccl_syntax(value, ok):
+    assert probe._nccl_matches(value, NAMES) is ok
+
+
+def test_interface_problems_name_the_variable_and_what_exists():
+    env = {"NCCL_SOCKET_IFNAME": "nosuch", "GLOO_SOCKET_IFNAME": "lo,eth9"}
+    found = probe.interface_problems(env)
+    assert len(found) == 2
+    assert found[0].startswith("NCCL_SOCKET_IFNAME=nosuch matches no interface (interfaces here: ")
+    assert "lo" in found[0]
+    assert found[1].startswith("GLOO_SOCKET_IFNAME=lo,eth9: no interface named eth9 (")
+    assert probe.interface_problems({"GLOO_SOCKET_IFNAME": "lo"}) == []
+
+
+def node(slots):
+    return NodePlan(1, "gpu-2", None, tuple(slots), tuple(range(len(slots))))
+
+
+@pytest.mark.parametrize("slots, count, others, status, value", [
+    ([0, 1], 2, [2], "ok", "2 GPU"),
+    ([0, 1, 2, 3], 2, [2], "fail", "2 < 4"),
+    ([4], 4, [8], "fail", "4 < 1"),  # device id 4 needs at least 5 GPUs
+    ([0], 0, [0], "ok", "cpu"),
+    ([0], 0, [8], "fail", "no GPU"),
+    ([0], None, [8], "skip", "-"),
+])
+def test_devices_must_cover_the_slots(slots, count, others, status, value):
+    every = {0: {"devices": others[0]}, 1: {"devices": count}}
+    check = doctor._devices(node(slots), {"devices": count}, every)
+    assert (check.status, check.value) == (status, value)
+    if status == "fail" and count:
+        assert f"at most slots={count}" in check.fix
+
+
+@pytest.mark.parametrize("flag, script_args, expected", [
+    ("mine", ["--save_dir", "x"], "mine"),
+    (None, ["--deepspeed", "--save_dir", "ckpt"], "ckpt"),
+    (None, ["--output_dir=out/run1"], "out/run1"),
+    (None, ["--checkpoint_dir", "c", "--save_dir", "s"], "c"),
+    (None, ["--lr", "1e-3"], None),
+    (None, ["--save_dir"], None),
+])
+def test_save_dir_comes_from_the_flag_or_the_scripts_arguments(flag, script_args, expected):
+    args = argparse.Namespace(save_dir=flag, script_args=script_args)
+    assert doctor.save_dir_of(args) == expected
+
+
+def test_table_marks_failures_and_skips():
+    ok = doctor.NodeReport(0, "a", None, {"ssh": doctor.Check("ssh", "ok", "ok"),
+                                          "disk": doctor.Check("disk", "skip", "-")})
+    bad = doctor.NodeReport(1, "bb", 2222, {"ssh": doctor.Check("ssh", "fail", "FAIL", "refused", "start it")})
+    assert doctor.format_table([ok, bad]).splitlines() == [
+        "node  host  ssh     disk", "0     a     ok      -", "1     bb    ✗ FAIL  -"]
+    assert doctor.format_problems([ok, bad]) == "✗ bb (node 1) ssh: refused\n    fix: start it"
