@@ -116,6 +116,12 @@ def test_rank_env_user_omp_kept(where):
     assert rank_env(job, 0, 0, base)["OMP_NUM_THREADS"] == "7"
 
 
+def test_rank_env_turns_faulthandler_on_unless_the_user_chose():
+    assert rank_env(make_job(), 0, 0, {})["PYTHONFAULTHANDLER"] == "1"   # stacks of stuck ranks
+    assert rank_env(make_job(), 0, 0, {"PYTHONFAULTHANDLER": ""})["PYTHONFAULTHANDLER"] == ""
+    assert rank_env(make_job(env={"PYTHONFAULTHANDLER": "0"}), 0, 0, {})["PYTHONFAULTHANDLER"] == "0"
+
+
 def test_rank_env_restart_count():
     assert rank_env(make_job(restart_count=2), 0, 0, {})["CREW_RESTART_COUNT"] == "2"
 

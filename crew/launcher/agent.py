@@ -5,6 +5,13 @@ log file per rank when asked, and owns teardown. It stops every rank (SIGTERM to
 group, SIGKILL after a grace period) when a rank fails, when it is signalled, and when its connection
 to the launcher closes (stdin EOF, or stdout hang-up under pdsh), so that even a launcher killed with
 SIGKILL leaves nothing running on this node. Only the process groups of its own ranks are signalled.
+
+While its ranks have not all joined the process group it watches their sockets (`joinwatch`) and sends
+a `join` event whenever a rank's state changes. A `stacks` line from the launcher on stdin (and a rank
+that fails with a collective timeout) makes it stop the ranks with SIGABRT instead: faulthandler, which
+every rank has on (PYTHONFAULTHANDLER=1), prints each thread's stack to the rank's stderr, and the agent
+sends a `stack` event per rank with the main thread's frames (`stacks`). Under pdsh there is no stdin,
+so no `stacks` line can arrive: there the launcher stops the job without stacks.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import collections
 import os
 import queue
 import re
+import resource
 import select
 import signal
 import socket
@@ -25,12 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from crew.launcher import joinwatch, stacks
 from crew.launcher.proc import die_with_parent, signal_group
-from crew.launcher.protocol import JobSpec, NodeSpec, encode_event
+from crew.launcher.protocol import STACKS_COMMAND, JobSpec, NodeSpec, encode_event
 
 STDERR_TAIL_LINES = 20
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel before giving up on a rank
 HEARTBEAT_S = 2.0
+# How often the sockets of ranks that have not joined yet are looked at: every 0.5 s at first, then
+# less often (a twentieth of the time waited so far, at most every 5 s) for jobs that never join.
+JOIN_POLL_S, JOIN_POLL_MAX_S = 0.5, 5.0
+STDERR_DRAIN_S = 1.0  # after a rank ends, how long to wait for the rest of its stderr
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _MAX_LINE = 1 << 20
 
@@ -43,6 +56,9 @@ class Rank:
     log: BinaryIO | None = None
     stderr_tail: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
+    stderr_done: threading.Event = field(default_factory=threading.Event)
+    dump: list[str] | None = None  # its stderr lines since it was sent SIGABRT for its stack
+    said_timeout: bool = False  # a stderr line said a torch.distributed operation timed out
 
     @property
     def code(self) -> int | None:
@@ -104,6 +120,7 @@ def rank_env(job: JobSpec, node_rank: int, local_rank: int, base: dict[str, str]
     # As torchrun: N ranks each running a thread per core oversubscribe the node many times over.
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // len(node.ranks))))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # SIGABRT prints every thread's stack: see Supervisor
     return env
 
 
@@ -178,16 +195,24 @@ def pump(rank: Rank, stream: BinaryIO, fd_out: int, prefix: bytes, output: Outpu
     if pending:
         _emit(rank, pending.rstrip(b"\r"), fd_out, prefix, output)
     stream.close()
+    if fd_out == 2:
+        rank.stderr_done.set()
 
 
 def _emit(rank: Rank, line: bytes, fd_out: int, prefix: bytes, output: Output) -> None:
     if fd_out == 2:
-        rank.stderr_tail.append(line.decode(errors="replace"))
+        text = line.decode(errors="replace")
+        rank.stderr_tail.append(text)
+        if not rank.said_timeout and stacks.looks_like_collective_timeout((text,)):
+            rank.said_timeout = True  # NCCL's watchdog says it, then aborts: the tail may lose the line
+        if rank.dump is not None:
+            rank.dump.append(text)
     output.write(fd_out, prefix + line + b"\n", rank.log, line + b"\n")
 
 
 def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool) -> None:
-    """Post a stop when the launcher's end closes: stdin EOF, or stdout hang-up (pdsh).
+    """Post the launcher's commands (stdin lines after the spec: `stacks`), and a stop when its end
+    closes: stdin EOF, or stdout hang-up (pdsh).
 
     Without stdin (pdsh) a heartbeat line goes up every few seconds: if `crew run` is gone (and
     pdsh with it), the ssh client's write to pdsh fails, it exits, and the hang-up reaches here.
@@ -196,25 +221,76 @@ def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool) -> No
     if watch_stdin:
         poller.register(0, select.POLLIN)
     poller.register(1, 0)  # errors and hang-ups only
+    pending = b""
     while True:
         ready = poller.poll(None if watch_stdin else HEARTBEAT_S * 1000)
         if not ready:
             output.event("alive")
         for fd, _ in ready:
-            if fd == 0 and os.read(0, 65536):
-                continue  # the launcher sends nothing after the spec; ignore stray bytes
+            if fd == 0 and (data := os.read(0, 65536)):
+                *lines, pending = (pending + data).split(b"\n")
+                pending = pending[-1024:]  # stray bytes: keep no more than a command's worth
+                for line in lines:
+                    if line.strip() == STACKS_COMMAND:
+                        events.put(("stacks", "the launcher asked for every rank's stack"))
+                continue  # anything else is ignored
             reason = "the launcher closed the connection" if fd == 0 else "the launcher is gone"
             events.put(("stop", reason))
             return
+
+
+class JoinWatch:
+    """Sends a `join` event whenever a rank's join state changes, until every rank joined or ended.
+
+    A state ends at `joined` or `exited` (a rank that ended before it was seen joined); the launcher
+    counts neither as missing.
+    """
+
+    def __init__(self, job: JobSpec, node_rank: int, ranks: list[Rank], output: Output):
+        self.job, self.node_rank, self.ranks, self.output = job, node_rank, ranks, output
+        self.host = job.nodes[node_rank].host
+        self.states: dict[int, str] = {}
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        while not self.stopped.is_set() and self._waiting():
+            pids = {rank.rank: rank.proc.pid for rank in self._waiting()}
+            try:
+                seen = joinwatch.observe(pids, self.job.master_port)
+            except OSError:
+                seen = {}
+            for rank in self._waiting():
+                if rank.rank in seen and rank.proc.poll() is None:
+                    self._report(rank, seen[rank.rank].state, seen[rank.rank].remote)
+            waited = time.monotonic() - started
+            self.stopped.wait(min(JOIN_POLL_MAX_S, max(JOIN_POLL_S, waited / 20)))
+
+    def exited(self, rank: Rank) -> None:
+        self._report(rank, joinwatch.EXITED, code=rank.code)
+
+    def _waiting(self) -> list[Rank]:
+        final = (joinwatch.JOINED, joinwatch.EXITED)
+        return [rank for rank in self.ranks if self.states.get(rank.rank) not in final]
+
+    def _report(self, rank: Rank, state: str, remote: str | None = None, **extra) -> None:
+        with self._lock:
+            if self.stopped.is_set() or self.states.get(rank.rank) in (state, joinwatch.JOINED,
+                                                                        joinwatch.EXITED):
+                return
+            self.states[rank.rank] = state
+            self.output.event("join", node=self.node_rank, host=self.host, rank=rank.rank, state=state,
+                              remote=remote, **extra)
 
 
 class Supervisor:
     """Waits for the ranks; on the first failure or a stop, takes every rank's group down."""
 
     def __init__(self, job: JobSpec, node_rank: int, ranks: list[Rank], output: Output,
-                 events: queue.Queue):
+                 events: queue.Queue, joins: JoinWatch | None = None):
         self.job, self.node, self.ranks = job, job.nodes[node_rank], ranks
-        self.node_rank, self.output, self.events = node_rank, output, events
+        self.node_rank, self.output, self.events, self.joins = node_rank, output, events, joins
         self.failure: Rank | None = None
         self.stop_reason: str | None = None
         self._deadline: float | None = None
@@ -235,6 +311,8 @@ class Supervisor:
                 self._on_exit(value)
             elif kind == "stop":
                 self._stop(value)
+            elif kind == "stacks":
+                self._collect_stacks(value)
             elif kind == "signal":
                 self._stop(value, escalate=True)
         self._signal_all(signal.SIGKILL)  # stray grandchildren left in a rank's group
@@ -244,10 +322,43 @@ class Supervisor:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def _on_exit(self, rank: Rank) -> None:
+        if self.joins:
+            self.joins.exited(rank)
         if rank.code != 0 and self.failure is None and self.stop_reason is None:
             self.failure = rank
-            self._report_failure(rank)
-            self._stop(f"rank {rank.rank} failed")
+            rank.stderr_done.wait(STDERR_DRAIN_S)  # its last words (the error) may still be on the way
+            timeout = rank.said_timeout
+            self._report_failure(rank, timeout)
+            if timeout:  # the others are likely stuck in the collective: see where, before they go
+                self._collect_stacks(f"rank {rank.rank} timed out in a torch.distributed operation")
+            else:
+                self._stop(f"rank {rank.rank} failed")
+
+    def _collect_stacks(self, reason: str) -> None:
+        """Stop every live rank with SIGABRT, so that faulthandler prints its stack first.
+
+        Only the rank's own process is sent SIGABRT (its helpers would interleave their dumps with
+        it); no core file is written (RLIMIT_CORE 0). The rest of each group goes with SIGKILL at the
+        end, and a rank still there after the grace period gets SIGKILL as in any stop.
+        """
+        if self.stop_reason is not None:
+            return
+        self.stop_reason = reason
+        if self.joins:
+            self.joins.stopped.set()
+        for rank in self.ranks:
+            if rank.proc.poll() is not None:
+                continue
+            rank.dump = []
+            try:
+                resource.prlimit(rank.proc.pid, resource.RLIMIT_CORE, (0, 0))
+            except (OSError, ValueError):
+                pass
+            try:
+                os.kill(rank.proc.pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        self._deadline = time.monotonic() + self.job.grace_s
 
     def _stop(self, reason: str, escalate: bool = False) -> None:
         if self.stop_reason is not None:
@@ -255,6 +366,8 @@ class Supervisor:
                 self._signal_all(signal.SIGKILL)
             return
         self.stop_reason = reason
+        if self.joins:
+            self.joins.stopped.set()
         self._signal_all(signal.SIGTERM)
         self._deadline = time.monotonic() + self.job.grace_s
 
@@ -265,14 +378,30 @@ class Supervisor:
             self._killed = True
             self._deadline = time.monotonic() + KILL_WAIT_S
 
-    def _report_failure(self, rank: Rank) -> None:
+    def _report_failure(self, rank: Rank, timeout: bool = False) -> None:
         code = rank.code
         self.output.event(
             "rank_failed", node=self.node_rank, host=self.node.host, rank=rank.rank,
             local_rank=rank.local_rank, code=code,
             signal=signal.Signals(-code).name if code < 0 else None,
             stderr_tail=list(rank.stderr_tail),
-            log=rank.log.name if rank.log else None)
+            log=rank.log.name if rank.log else None, collective_timeout=timeout)
+
+    def report_stacks(self) -> None:
+        """One `stack` event per rank that was sent SIGABRT: its main thread's frames, innermost first.
+
+        Called once every pump is done, so each dump is complete.
+        """
+        for rank in self.ranks:
+            if rank.dump is None:
+                continue
+            threads = stacks.parse_dump(rank.dump)
+            frames = stacks.main_frames(threads or [])
+            self.output.event(
+                "stack", node=self.node_rank, host=self.node.host, rank=rank.rank,
+                dumped=threads is not None, threads=len(threads or []),
+                frames=[[f.file, f.line, f.func] for f in frames],
+                log=rank.log.name if rank.log else None)
 
     def _exit_code(self) -> int:
         if self.failure is not None:
@@ -311,10 +440,15 @@ def run(job: JobSpec, node_rank: int, watch_stdin: bool) -> int:
         return 1
     output.event("started", node=node_rank, host=node.host, pids=[r.proc.pid for r in ranks],
                  boot_s=round(boot_s, 3), spawn_s=round(time.monotonic() - started, 3))
-    pumps = _start_threads(ranks, node, output, events, watch_stdin)
-    code = Supervisor(job, node_rank, ranks, output, events).run()
+    joins = JoinWatch(job, node_rank, ranks, output) if job.init_timeout > 0 and job.world_size > 1 else None
+    pumps = _start_threads(ranks, node, output, events, watch_stdin, joins)
+    supervisor = Supervisor(job, node_rank, ranks, output, events, joins)
+    code = supervisor.run()
+    if joins:
+        joins.stopped.set()
     for thread in pumps:
         thread.join(timeout=2.0)  # a daemon that escaped its group may hold a pipe open
+    supervisor.report_stacks()
     for rank in ranks:
         if rank.log:
             rank.log.close()
@@ -324,7 +458,7 @@ def run(job: JobSpec, node_rank: int, watch_stdin: bool) -> int:
 
 
 def _start_threads(ranks: list[Rank], node: NodeSpec, output: Output, events: queue.Queue,
-                   watch_stdin: bool) -> list[threading.Thread]:
+                   watch_stdin: bool, joins: JoinWatch | None = None) -> list[threading.Thread]:
     def start(target, *args) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
@@ -337,6 +471,8 @@ def _start_threads(ranks: list[Rank], node: NodeSpec, output: Output, events: qu
         pumps.append(start(pump, rank, rank.proc.stderr, 2, prefix, output))
         start(lambda r: (r.proc.wait(), events.put(("exit", r))), rank)
     start(watch_launcher, events, output, watch_stdin)
+    if joins:
+        start(joins.run)
     return pumps
 
 

@@ -4,6 +4,13 @@ The launcher hands every agent the same `JobSpec` as one JSON line (on stdin, or
 which has no stdin). Values travel as JSON, never through a shell, so no hostname, path or environment
 value is ever interpreted by one. The agent answers on its stdout: rank output lines (always prefixed
 `[host:rank] `) and event lines that start with EVENT_MARK, which no prefixed line can.
+
+After the spec, the launcher keeps the agent's stdin open: closing it means "stop", and a line
+STACKS_COMMAND means "stop every rank with its Python stack first" (see agent.Supervisor). Events, as
+{"event": KIND, ...}: `started`, `join` (node, host, rank, state as in joinwatch, remote: the master
+address it is connected or connecting to), `rank_failed` (..., collective_timeout: its stderr says a
+torch.distributed operation timed out), `stack` (node, host, rank, dumped, threads, frames: the main
+thread's [file, line, function], innermost first), `error`, `alive`, `done`.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 EVENT_MARK = b"\x1ecrew-event "
+STACKS_COMMAND = b"stacks"
 AGENT_MODULE = "crew.launcher.agent"
 
 
