@@ -6,12 +6,12 @@ group, SIGKILL after a grace period) when a rank fails, when it is signalled, an
 to the launcher closes (stdin EOF, or stdout hang-up under pdsh), so that even a launcher killed with
 SIGKILL leaves nothing running on this node. Only the process groups of its own ranks are signalled.
 
-While its ranks have not all joined the process group it watches their sockets (`joinwatch`) and sends
-a `join` event whenever a rank's state changes. A `stacks` line from the launcher on stdin (and a rank
-that fails with a collective timeout) makes it stop the ranks with SIGABRT instead: faulthandler, which
-every rank has on (PYTHONFAULTHANDLER=1), prints each thread's stack to the rank's stderr, and the agent
-sends a `stack` event per rank with the main thread's frames (`stacks`). Under pdsh there is no stdin,
-so no `stacks` line can arrive: there the launcher stops the job without stacks.
+While its ranks have not all joined the process group a `joinwatch.JoinWatch` watches their sockets and
+sends a `join` event whenever a rank's state changes. A `stacks` line from the launcher on stdin (and a
+rank that fails with a collective timeout) makes it stop the ranks with SIGABRT instead: faulthandler,
+which every rank has on (PYTHONFAULTHANDLER=1), prints each thread's stack to the rank's stderr, and the
+agent sends a `stack` event per rank with the main thread's frames (`stacks`). Under pdsh there is no
+stdin, so no `stacks` line can arrive: there the launcher stops the job without stacks.
 """
 
 from __future__ import annotations
@@ -33,16 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from crew.launcher import joinwatch, stacks
+from crew.launcher import stacks
+from crew.launcher.joinwatch import JoinWatch
 from crew.launcher.proc import die_with_parent, signal_group
 from crew.launcher.protocol import STACKS_COMMAND, JobSpec, NodeSpec, encode_event
 
 STDERR_TAIL_LINES = 20
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel before giving up on a rank
 HEARTBEAT_S = 2.0
-# How often the sockets of ranks that have not joined yet are looked at: every 0.5 s at first, then
-# less often (a twentieth of the time waited so far, at most every 5 s) for jobs that never join.
-JOIN_POLL_S, JOIN_POLL_MAX_S = 0.5, 5.0
 STDERR_DRAIN_S = 1.0  # after a rank ends, how long to wait for the rest of its stderr
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _MAX_LINE = 1 << 20
@@ -138,11 +136,12 @@ def preflight(job: JobSpec, node_rank: int) -> str | None:
     host = job.nodes[node_rank].host
     if not Path(job.cwd).is_dir():
         return (f"working directory {job.cwd} does not exist on {host}. crew runs every node in the "
-                f"launching directory: copy the code to the same path on {host}.")
+                f"launching directory: copy the code to the same path on {host} (crew sync, or crew run "
+                "--sync).")
     target = Path(job.cwd, job.program[0])
     if job.mode == "python" and not target.is_file():
         return (f"script {target} not found on {host}. Copy the code to the same path on every "
-                "node (or put it on a shared filesystem).")
+                "node (crew sync, or crew run --sync), or put it on a shared filesystem.")
     if node_rank == 0:
         return _master_port_problem(job.master_port, host)
     return None
@@ -237,51 +236,6 @@ def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool) -> No
             reason = "the launcher closed the connection" if fd == 0 else "the launcher is gone"
             events.put(("stop", reason))
             return
-
-
-class JoinWatch:
-    """Sends a `join` event whenever a rank's join state changes, until every rank joined or ended.
-
-    A state ends at `joined` or `exited` (a rank that ended before it was seen joined); the launcher
-    counts neither as missing.
-    """
-
-    def __init__(self, job: JobSpec, node_rank: int, ranks: list[Rank], output: Output):
-        self.job, self.node_rank, self.ranks, self.output = job, node_rank, ranks, output
-        self.host = job.nodes[node_rank].host
-        self.states: dict[int, str] = {}
-        self.stopped = threading.Event()
-        self._lock = threading.Lock()
-
-    def run(self) -> None:
-        started = time.monotonic()
-        while not self.stopped.is_set() and self._waiting():
-            pids = {rank.rank: rank.proc.pid for rank in self._waiting()}
-            try:
-                seen = joinwatch.observe(pids, self.job.master_port)
-            except OSError:
-                seen = {}
-            for rank in self._waiting():
-                if rank.rank in seen and rank.proc.poll() is None:
-                    self._report(rank, seen[rank.rank].state, seen[rank.rank].remote)
-            waited = time.monotonic() - started
-            self.stopped.wait(min(JOIN_POLL_MAX_S, max(JOIN_POLL_S, waited / 20)))
-
-    def exited(self, rank: Rank) -> None:
-        self._report(rank, joinwatch.EXITED, code=rank.code)
-
-    def _waiting(self) -> list[Rank]:
-        final = (joinwatch.JOINED, joinwatch.EXITED)
-        return [rank for rank in self.ranks if self.states.get(rank.rank) not in final]
-
-    def _report(self, rank: Rank, state: str, remote: str | None = None, **extra) -> None:
-        with self._lock:
-            if self.stopped.is_set() or self.states.get(rank.rank) in (state, joinwatch.JOINED,
-                                                                        joinwatch.EXITED):
-                return
-            self.states[rank.rank] = state
-            self.output.event("join", node=self.node_rank, host=self.host, rank=rank.rank, state=state,
-                              remote=remote, **extra)
 
 
 class Supervisor:

@@ -13,6 +13,7 @@ import collections
 import json
 import os
 import shlex
+import signal
 import subprocess
 import threading
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from crew.errors import CrewError
 from crew.launcher import probe, runners
-from crew.launcher.proc import die_with_parent, signal_tree
+from crew.launcher.proc import signal_tree
 from crew.launcher.protocol import JobSpec, decode_event
 
 PROBE_MODULE = "crew.launcher.probe"
@@ -99,11 +100,8 @@ def run_probes(launch, args: argparse.Namespace, job: JobSpec, full: bool,
 def _run_one(launch, job: JobSpec, timeout: float,
              hold: threading.Event | None) -> tuple[int, bytes, bytes]:
     """Run one probe launch; `hold` keeps its stdin open (node 0 listening) until it is set."""
-    env = {**os.environ, **launch.env} if launch.env else None
     try:
-        proc = subprocess.Popen(launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=env, start_new_session=True,
-                                preexec_fn=die_with_parent)
+        proc = runners.start(launch)
     except OSError as exc:
         return 127, b"", f"cannot start '{launch.argv[0]}': {exc.strerror}".encode()
     if launch.spec_on_stdin:
@@ -117,7 +115,7 @@ def _run_one(launch, job: JobSpec, timeout: float,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        signal_tree(proc.pid, 9)
+        signal_tree(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         err += f"no answer within {timeout:.0f} s (timed out)".encode()
     return proc.returncode, out, err

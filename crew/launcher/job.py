@@ -3,18 +3,19 @@
 The launcher holds each agent's stdin open for the life of the job. Closing it is how the launcher
 says "stop", and it is also what the agents see if the launcher dies, however it dies.
 
-No silent hangs: the agents report each rank's join state (`joinwatch`). When not every rank has joined
-the process group `init_timeout` seconds after the first one reached the master port, the launcher asks
-every agent for its ranks' stacks (a `stacks` line on stdin), which stops the job, and then says which
-ranks joined, which did not, where each rank was and what to do (exit code 124). A rank failing with a
-collective timeout gets the same: the stacks of the ranks still running, and the ranks that did not
-arrive. pdsh gives the agents no stdin: there the job is stopped with the join report but no stacks.
+No silent hangs: the agents report each rank's join state (`joinwatch`), which a `hangs.HangWatch`
+follows. When not every rank has joined the process group `init_timeout` seconds after the first one
+reached the master port, the launcher asks every agent for its ranks' stacks (a `stacks` line on stdin),
+which stops the job, and then prints the watch's report: which ranks joined, which did not, where each
+rank was and what to do (exit code 124). A rank failing with a collective timeout gets the same: the
+stacks of the ranks still running, and the ranks that did not arrive. pdsh gives the agents no stdin:
+there the job is stopped with the join report but no stacks. This module does the wiring; the join
+states, the deadline and the report texts live in `hangs`.
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import queue
 import signal
 import subprocess
@@ -23,15 +24,14 @@ import time
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from crew.launcher import joinwatch, stacks
-from crew.launcher.joinwatch import CONNECTING, EXITED, JOINED, LISTENING, NOT_CONNECTED
-from crew.launcher.proc import die_with_parent, signal_tree
+from crew.launcher.hangs import HANG_EXIT_CODE, HangWatch
+from crew.launcher import runners
+from crew.launcher.proc import signal_tree
 from crew.launcher.protocol import STACKS_COMMAND, JobSpec, decode_event
 from crew.launcher.runners import AgentLaunch, ssh_fix
 
 STOP_WAIT_S = 15.0  # after asking agents to stop: their grace period plus this, then SIGKILL
 AGENT_TAIL_LINES = 20
-HANG_EXIT_CODE = 124  # as timeout(1): the ranks did not all join within --init_timeout
 
 
 @dataclass
@@ -79,21 +79,7 @@ class JobRun:
         self.started: dict[int, dict] = {}
         self.done: set[int] = set()
         self._stop_deadline: float | None = None
-        self._t0 = time.monotonic()
-        # Join watch: which ranks this launcher runs, their last `join` event, when to give up.
-        self.hosts = {rank: job.nodes[n].host for launch in launches for n in launch.node_ranks
-                      for rank in job.nodes[n].ranks}
-        self.node_of = {rank: n for launch in launches for n in launch.node_ranks for rank in job.nodes[n].ranks}
-        self.joins: dict[int, dict] = {}
-        self._watching = job.init_timeout > 0 and job.world_size > 1
-        self._reached_at: float | None = None  # when a rank first joined, listened or connected
-        self._all_started_at: float | None = None
-        self._warned_unjoined = False
-        # A hang being reported ("init" or "collective"): the stacks the agents send, and its report.
-        self.hang: str | None = None
-        self._hang_joins: dict[int, dict] = {}
-        self._hang_failed: dict | None = None
-        self.rank_stacks: dict[int, dict] = {}
+        self.hangs = HangWatch(job, launches, console.say)  # join states, stacks, the report of a hang
 
     def run(self) -> int:
         handlers = self._install_signal_handlers()
@@ -102,8 +88,9 @@ class JobRun:
                 if self.failure is None:
                     self._start(launch)
             self._supervise()
-            if self.hang:
-                self.console.say(self._hang_report())
+            report = self.hangs.report()
+            if report:
+                self.console.say(report)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
@@ -119,13 +106,8 @@ class JobRun:
         return previous
 
     def _start(self, launch: AgentLaunch) -> None:
-        env = {**os.environ, **launch.env} if launch.env else None
-        # Own session: a Ctrl-C reaches only `crew run`, which then stops every node in order.
-        # Dies with `crew run`: pdsh would outlive it (it ignores SIGPIPE), keeping nodes busy.
         try:
-            proc = subprocess.Popen(launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=env, start_new_session=True,
-                                    preexec_fn=die_with_parent)
+            proc = runners.start(launch)
         except OSError as exc:
             self._fail(127, f"{launch.label}: cannot start '{launch.argv[0]}' ({exc.strerror}). "
                        "Install it on this machine (ssh: apt-get install openssh-client), or pass "
@@ -195,182 +177,35 @@ class JobRun:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
 
-    # ---------------------------------------------------------------------------------------
-    # join watch
+    def _stopping(self) -> bool:
+        return self.failure is not None or self.interrupted is not None
 
     def _join_deadline(self) -> float | None:
-        """When to give up on the ranks that have not joined; None while there is nothing to wait for.
-
-        init_timeout after the first rank reached the master port. When none has (yet), init_timeout
-        after every node started; that deadline only warns: a job whose ranks never use the master
-        port (no torch.distributed, or init_method file://) may well be fine.
-        """
-        if not self._watching or self.failure is not None or self.interrupted is not None:
-            return None
-        start = self._reached_at
-        if start is None and not self._warned_unjoined:
-            start = self._all_started_at
-        return None if start is None else start + self.job.init_timeout
-
-    def _state(self, rank: int, joins: dict[int, dict] | None = None) -> str | None:
-        event = (self.joins if joins is None else joins).get(rank)
-        return event["state"] if event else None
-
-    def _on_join(self, event: dict) -> None:
-        if not self._watching:
-            return
-        self.joins[event["rank"]] = event
-        if event["state"] in (JOINED, LISTENING, CONNECTING) and self._reached_at is None:
-            self._reached_at = time.monotonic()
-        states = [self._state(rank) for rank in self.hosts]
-        if all(state in (JOINED, EXITED) for state in states):
-            self._watching = False
-            if all(state == JOINED for state in states):
-                self.console.say(
-                    f"all {len(states)} ranks joined the process group (master {self.job.master_addr}:"
-                    f"{self.job.master_port}) {time.monotonic() - self._t0:.2f}s after the start")
+        """When to give up on the ranks that have not joined (`HangWatch.deadline`); None once stopping."""
+        return None if self._stopping() else self.hangs.deadline()
 
     def _on_join_deadline(self) -> None:
-        missing = [rank for rank in self.hosts if self._state(rank) not in (JOINED, EXITED)]
-        timeout = f"{self.job.init_timeout:g} s (--init_timeout)"
-        master = f"{self.job.master_addr}:{self.job.master_port}"
-        if self._reached_at is None:
-            self._warned_unjoined = True
-            self.console.say(
-                f"no rank has connected to the master {master} within {timeout}: if the script uses "
-                "torch.distributed, every rank is still before init_process_group (or cannot reach the "
-                "master). crew keeps waiting: it stops a job when some ranks joined and others did not "
-                "(init_process_group's own timeout ends a wait for a master that never answers).")
-            return
-        joined = [rank for rank in self.hosts if self._state(rank) == JOINED]
-        self.hang, self._hang_joins = "init", dict(self.joins)
-        stacks_possible = self._stacks_possible()
-        then = ("Collecting every rank's Python stack (SIGABRT; faulthandler prints it) before stopping "
-                "the job; the report follows." if stacks_possible else
-                "Stopping the job; the report follows.")
-        self._fail(HANG_EXIT_CODE,
-                   f"ranks did not all join the process group at {master} within {timeout}: "
-                   f"joined: {self._ranks_at(joined)}; missing: {self._ranks_at(missing)}. {then}",
-                   with_stacks=stacks_possible)
-
-    def _ranks_at(self, ranks: list[int]) -> str:
-        """`ranks 0-1 (a), rank 2 (b)`, or `none`."""
-        items = [(rank, self.hosts.get(rank, "?"), "") for rank in ranks]
-        return ", ".join(f"{stacks.rank_list(group)} ({host})" for group, host, _ in stacks.grouped(items)) or "none"
-
-    def _stacks_possible(self) -> bool:
-        """Whether every agent can be asked for stacks: not under pdsh, whose agents have no stdin."""
-        return all(agent.launch.spec_on_stdin for agent in self.agents)
-
-    def _hang_report(self) -> str:
-        return self._init_report() if self.hang == "init" else self._collective_report()
-
-    def _places(self) -> dict[int, stacks.Where | None]:
-        """Where each rank that sent its stack was."""
-        return {rank: stacks.where([stacks.Frame(*frame) for frame in event["frames"]], self.job.cwd)
-                for rank, event in self.rank_stacks.items()}
-
-    def _where_lines(self, places: dict[int, stacks.Where | None], verbs: dict[int, str]) -> list[str]:
-        items = [(rank, self.hosts.get(rank, "?"), stacks.describe(place, verbs.get(rank, "waiting")))
-                 for rank, place in places.items()]
-        if not items:
-            return ["no stack came back: the ranks had ended, or their agents did not answer."]
-        logs = f", and in {self.job.log_dir}/rank<N>.log" if self.job.log_dir else ""
-        return [f"where each rank was (full stacks above{logs}):",
-                *(f"  {line}" for line in stacks.group_lines(items))]
-
-    def _init_report(self) -> str:
-        """Which ranks joined, which did not and why (join state, and stack when taken), where each was."""
-        job, joins = self.job, self._hang_joins
-        master = joinwatch.format_address(job.master_addr, job.master_port)
-        places = self._places()
-        rank0 = self._state(0, joins) if 0 in self.hosts else None
-        joined = [rank for rank in self.hosts if self._state(rank, joins) == JOINED]
-        lines = [f"the process group did not form: not every rank joined within {job.init_timeout:g} s "
-                 f"(--init_timeout); master {master} (MASTER_ADDR:MASTER_PORT).",
-                 f"  joined: {self._ranks_at(joined)}"]
-        missing = []
-        for rank, host in self.hosts.items():
-            event = joins.get(rank) or {}
-            state = event.get("state")
-            if state == JOINED:
-                continue
-            if state is None and self.node_of[rank] not in self.started:
-                cause = "its node's agent had not started (ssh still connecting?)"
-            elif state == EXITED:
-                cause = f"it ended (code {event.get('code')}) before it was seen joining"
-            else:
-                place = places.get(rank)
-                cause = joinwatch.missing_cause(
-                    state or NOT_CONNECTED, event.get("remote"), host, job.master_addr, job.master_port,
-                    rank0, stack_taken=place is not None, in_init=bool(place and place.in_collective))
-            missing.append((rank, host, cause))
-        lines += [f"  missing: {stacks.rank_list(ranks)} on {host}: {cause}"
-                  for ranks, host, cause in stacks.grouped(missing)]
-        if self._stacks_possible():
-            lines += self._where_lines(places, {})
-        else:
-            lines.append("no stacks: the pdsh launcher gives the agents no stdin to ask them with "
-                         "(--launcher ssh does).")
-        lines.append("Raise --init_timeout if start-up legitimately takes this long (imports, data loading "
-                     "before init_process_group); 0 disables the check.")
-        return "\n".join(lines)
-
-    def _collective_report(self) -> str:
-        """Where each rank was when one timed out in a collective; the ranks that were not in one."""
-        failed = self._hang_failed or {}
-        rank = failed.get("rank")
-        places = self._places()
-        verbs = {}
-        tail = failed.get("stderr_tail", ())
-        dump = stacks.parse_dump(tail)  # NCCL's watchdog aborts the rank: faulthandler's dump, if any
-        own = stacks.where(stacks.main_frames(dump) if dump else stacks.parse_traceback(tail), self.job.cwd)
-        if rank is not None and own is not None:
-            places[rank], verbs[rank] = own, "timed out"
-        lines = [f"rank {rank} timed out in a torch.distributed operation."]
-        if places:
-            lines += self._where_lines(places, verbs)
-        if not self._stacks_possible():
-            lines.append("no stacks from the other nodes: the pdsh launcher gives the agents no stdin to ask "
-                         "them with (--launcher ssh does).")
-        late = [(r, self.hosts.get(r, "?"), place.location) for r, place in places.items()
-                if place is not None and not place.in_collective and r != rank]
-        if late:
-            lines.append("did not arrive: " + "; ".join(f"{stacks.rank_list(ranks)} ({host}) at {where}"
-                                                        for ranks, host, where in stacks.grouped(late)))
-            call = own.call if own and own.call else "the collective"
-            lines.append(f"The other ranks waited for them in {call} until its timeout: see what kept them "
-                         "(slow start-up or data loading, a rank-dependent branch, an extra step).")
-        elif len(places) == len(self.hosts) and all(places.values()):
-            lines.append("every rank was inside torch.distributed: check that all ranks call the same "
-                         "collectives in the same order with the same tensor shapes.")
-        gone = sorted(set(self.hosts) - set(places))
-        if gone and self._stacks_possible():
-            lines.append(f"no stack from {stacks.rank_list(gone)}: ended before a stack could be taken.")
-        return "\n".join(lines)
+        message = self.hangs.on_deadline()
+        if message:
+            self._fail(HANG_EXIT_CODE, message, with_stacks=self.hangs.stacks_possible)
 
     def _on_event(self, index: int, event: dict) -> None:
         kind = event.get("event")
         if kind == "started":
             self.started[event["node"]] = {**event, "at": time.monotonic(),
                                            "agent_at": self.agents[index].started_at}
-            if set(self.node_of.values()) <= set(self.started) and self._all_started_at is None:
-                self._all_started_at = time.monotonic()
+            self.hangs.node_started(event["node"])
             if len(self.started) == len(self.job.nodes):
                 self._report_startup()
         elif kind == "join":
-            self._on_join(event)
+            self.hangs.on_join(event)
         elif kind == "stack":
-            self.rank_stacks[event["rank"]] = event
+            self.hangs.on_stack(event)
         elif kind == "rank_failed":
-            timeout = bool(event.get("collective_timeout")) and self.failure is None and self.interrupted is None
+            timeout = bool(event.get("collective_timeout")) and not self._stopping()
             message = _describe_rank_failure(event)
             if timeout:
-                self.hang, self._hang_failed = "collective", event
-                if self._stacks_possible():
-                    message += ("\nIt timed out in a torch.distributed operation: collecting the stacks of "
-                                "the ranks still running (SIGABRT; faulthandler prints them) to see who did "
-                                "not arrive.")
+                message += self.hangs.on_collective_timeout(event)
             self._fail(_exit_code(event["code"]), message, with_stacks=timeout)
         elif kind == "error":
             self._fail(1, f"{event['host']}: {event['message']}")
@@ -379,7 +214,7 @@ class JobRun:
 
     def _on_agent_exit(self, agent: Agent) -> None:
         missing = [n for n in agent.launch.node_ranks if n not in self.done]
-        if missing and self.failure is None and self.interrupted is None:
+        if missing and not self._stopping():
             code = agent.proc.returncode
             self._fail(_exit_code(code) or 1, self._describe_agent_failure(agent, code))
 
@@ -393,7 +228,7 @@ class JobRun:
         self._stop_all()
 
     def _fail(self, code: int, message: str, with_stacks: bool = False) -> None:
-        if self.failure is not None or self.interrupted is not None:
+        if self._stopping():
             return
         self.failure = Failure(code, message)
         self.console.say(message)

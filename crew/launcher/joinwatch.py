@@ -12,19 +12,32 @@ tcp6) tell where it is:
   refused (a refused socket is gone before anyone can see it).
 
 A rank's helper processes count as the rank: every process of the rank's session is looked at.
+
+`JoinWatch` runs in each node's agent and sends a `join` event whenever a rank's state changes; the
+launcher follows them (`hangs.HangWatch`), and `missing_cause` says why a rank did not join.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from crew.launcher.agent import Output, Rank
+    from crew.launcher.protocol import JobSpec
 
 JOINED, CONNECTING, LISTENING, NOT_CONNECTED = "joined", "connecting", "listening", "not connected"
 EXITED = "exited"  # reported by the agent when a rank ends before it was seen joined
 _ESTABLISHED, _SYN_SENT, _LISTEN = 0x01, 0x02, 0x0A
+# How often the sockets of ranks that have not joined yet are looked at: every 0.5 s at first, then
+# less often (a twentieth of the time waited so far, at most every 5 s) for jobs that never join.
+JOIN_POLL_S, JOIN_POLL_MAX_S = 0.5, 5.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +166,50 @@ def observe(pids: dict[int, int], master_port: int) -> dict[int, Seen]:
             tables[namespace] = tcp_connections(pid)
         seen[rank] = classify(tables[namespace], inodes, master_port)
     return seen
+
+
+class JoinWatch:
+    """Sends a `join` event whenever a rank's join state changes, until every rank joined or ended.
+
+    A state ends at `joined` or `exited` (a rank that ended before it was seen joined); the launcher
+    counts neither as missing. The agent's ranks need only `.rank`, `.proc` and `.code`, its output
+    only `.event(kind, **fields)`.
+    """
+
+    def __init__(self, job: JobSpec, node_rank: int, ranks: Sequence[Rank], output: Output):
+        self.job, self.node_rank, self.ranks, self.output = job, node_rank, ranks, output
+        self.host = job.nodes[node_rank].host
+        self.states: dict[int, str] = {}
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        while not self.stopped.is_set() and self._waiting():
+            pids = {rank.rank: rank.proc.pid for rank in self._waiting()}
+            try:
+                seen = observe(pids, self.job.master_port)
+            except OSError:
+                seen = {}
+            for rank in self._waiting():
+                if rank.rank in seen and rank.proc.poll() is None:
+                    self._report(rank, seen[rank.rank].state, seen[rank.rank].remote)
+            waited = time.monotonic() - started
+            self.stopped.wait(min(JOIN_POLL_MAX_S, max(JOIN_POLL_S, waited / 20)))
+
+    def exited(self, rank: Rank) -> None:
+        self._report(rank, EXITED, code=rank.code)
+
+    def _waiting(self) -> list[Rank]:
+        return [rank for rank in self.ranks if self.states.get(rank.rank) not in (JOINED, EXITED)]
+
+    def _report(self, rank: Rank, state: str, remote: str | None = None, **extra) -> None:
+        with self._lock:
+            if self.stopped.is_set() or self.states.get(rank.rank) in (state, JOINED, EXITED):
+                return
+            self.states[rank.rank] = state
+            self.output.event("join", node=self.node_rank, host=self.host, rank=rank.rank, state=state,
+                              remote=remote, **extra)
 
 
 def missing_cause(state: str, remote: str | None, host: str, master_addr: str, master_port: int,

@@ -7,6 +7,7 @@ itself (environment values included) travels as JSON on stdin, or base64 for pds
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from crew.errors import LaunchError
+from crew.launcher.proc import die_with_parent
 from crew.launcher.protocol import AGENT_MODULE, JobSpec
 
 RUNNERS = ("local", "ssh", "pdsh", "standalone", "slurm")
@@ -50,6 +52,18 @@ class AgentLaunch:
     label: str  # how messages name it: the host, or "pdsh"
     spec_on_stdin: bool = True
     env: dict[str, str] | None = None  # extra environment for this launching-side process
+
+
+def start(launch: AgentLaunch) -> subprocess.Popen:
+    """Start one launching-side process, with pipes for stdin, stdout and stderr (OSError if it cannot).
+
+    Own session: a Ctrl-C reaches only `crew`, which then stops every node in order. It dies with
+    `crew`: pdsh would outlive it (it ignores SIGPIPE), keeping nodes busy.
+    """
+    env = {**os.environ, **launch.env} if launch.env else None
+    return subprocess.Popen(launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, start_new_session=True,
+                            preexec_fn=die_with_parent)
 
 
 def agent_argv(python: str, job: JobSpec, node_rank: int | str, *extra: str,
