@@ -52,6 +52,16 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds >= 0 (0 turns the check off)")
+    return value
+
+
 def _count(text: str) -> int:
     if not is_number(text):
         raise argparse.ArgumentTypeError(f"'{text}' is not a whole number >= 0")
@@ -322,10 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="launch SCRIPT on every slot of the world",
                               allow_abbrev=False)
     add_launch_options(run)
-    _option(run, "--init_timeout", type=float, default=600.0, metavar="SECONDS",
+    _option(run, "--init_timeout", type=_seconds, default=600.0, metavar="SECONDS",
             help="stop the job, with a report and each rank's stack, when not every rank has joined "
-                 "the process group this many seconds after the first did (or after the start, when "
-                 "none did); 0: wait forever (default: 600)")
+                 "the process group this many seconds after the first one reached the master port "
+                 "(when none does, crew only warns); 0: no check (default: 600)")
     _option(run, "--skip_preflight", action="store_true",
             help="start without the quick check of every node (ssh, versions, script hash)")
     _option(run, "--sync", action="store_true",

@@ -16,7 +16,6 @@ stdin, so no `stacks` line can arrive: there the launcher stops the job without 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import queue
@@ -36,7 +35,7 @@ from typing import BinaryIO
 from crew.launcher import stacks
 from crew.launcher.joinwatch import JoinWatch
 from crew.launcher.proc import die_with_parent, signal_group
-from crew.launcher.protocol import STACKS_COMMAND, JobSpec, NodeSpec, encode_event
+from crew.launcher.protocol import STACKS_COMMAND, JobSpec, NodeSpec, encode_event, node_arguments, read_job
 
 STDERR_TAIL_LINES = 20
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel before giving up on a rank
@@ -430,30 +429,10 @@ def _start_threads(ranks: list[Rank], node: NodeSpec, output: Output, events: qu
     return pumps
 
 
-def _read_spec_line(fd: int) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m crew.launcher.agent",
-                                     description="crew's per-node agent (started by `crew run`).")
-    parser.add_argument("--job", help="job id, for `ps` readers; the spec carries the real one")
-    parser.add_argument("--node_rank", type=int, required=True)
-    parser.add_argument("--spec_b64", help="the job spec in base64 (default: one JSON line on stdin)")
-    parser.add_argument("--watch", choices=("stdin", "stdout"), default="stdin",
-                        help="how to notice the launcher is gone: stdin EOF, or stdout hang-up")
+    parser = node_arguments("python -m crew.launcher.agent", "crew's per-node agent (started by `crew run`).")
     args = parser.parse_args(argv)
-    job = JobSpec.from_b64(args.spec_b64) if args.spec_b64 else JobSpec.from_json(_read_spec_line(0))
-    if not 0 <= args.node_rank < len(job.nodes):
-        parser.error(f"--node_rank {args.node_rank} is not in 0..{len(job.nodes) - 1}")
-    return run(job, args.node_rank, watch_stdin=args.watch == "stdin")
-
+    return run(read_job(parser, args), args.node_rank, watch_stdin=args.watch == "stdin")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -136,12 +136,13 @@ def evaluate(launch, job: JobSpec, run: ProbeRun, reference: dict, full: bool,
     for node in launch.plan.nodes:
         report = NodeReport(node.node_rank, node.host, node.ssh_port)
         reports.append(report)
+        remote = launch.launcher in ("ssh", "pdsh")
         facts = run.facts.get(node.node_rank)
         if facts is None:
             code, lines = run.errors[node.node_rank]
-            _unreachable(report, code, lines, ssh_args)
+            _unreachable(report, code, lines, ssh_args, remote)
             continue
-        if launch.launcher in ("ssh", "pdsh"):
+        if remote:
             report.add(Check("ssh", "ok", "ok", f"{facts['hostname']}, {run.seconds:.2f} s"))
         else:
             report.add(Check("ssh", "skip", "-", "this machine: no ssh"))
@@ -159,18 +160,19 @@ def evaluate(launch, job: JobSpec, run: ProbeRun, reference: dict, full: bool,
     return reports
 
 
-def _unreachable(report: NodeReport, code: int, lines: list[str], ssh_args: tuple[str, ...]) -> None:
+def _unreachable(report: NodeReport, code: int, lines: list[str], ssh_args: tuple[str, ...],
+                 remote: bool) -> None:
     said = [line for line in lines if line.strip()] or [f"exit code {code}, no message"]
     last = said[-1].strip()
     host, port = report.host, report.ssh_port
-    if code == 255 or "timed out" in last:
+    if remote and (code == 255 or "timed out" in last):
         if any("Permission denied" in line for line in said):
             fix = key_fix(host, port, ssh_args)
         else:
             fix = runners.ssh_fix(said, host, port) or f"'ssh {host} true' must work without a prompt."
         report.add(Check("ssh", "fail", "FAIL", last, fix))
-    else:  # ssh worked; Python or crew did not start there
-        report.add(Check("ssh", "ok", "ok"))
+    else:  # ssh worked (or none was needed); Python or crew did not start there
+        report.add(Check("ssh", "ok", "ok") if remote else Check("ssh", "skip", "-", "this machine: no ssh"))
         fix = runners.ssh_fix(said, host, port) or "see the message; the same Python and crew must be there."
         report.add(Check("python", "fail", "FAIL", last, fix))
 

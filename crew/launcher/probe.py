@@ -11,7 +11,6 @@ every node connects to it through the master address.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import importlib.util
@@ -25,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import crew
-from crew.launcher.protocol import JobSpec, encode_event
+from crew.launcher.protocol import JobSpec, encode_event, node_arguments, read_job
 
 GREETING = b"crew-doctor\n"
 MASTER_WAIT_S = 8.0  # how long node 0 listens and the others keep trying to connect
@@ -204,6 +203,7 @@ def reach_master(addr: str, port: int) -> str | None:
         return None if answer == GREETING else "another program holds that port"
     return error
 
+
 def probe(job: JobSpec, node_rank: int, full: bool, save_dir: str | None,
           others_done: threading.Event) -> dict:
     facts = {"node": node_rank, "hostname": socket.gethostname(), "cwd": Path(job.cwd).is_dir()}
@@ -234,26 +234,18 @@ def probe(job: JobSpec, node_rank: int, full: bool, save_dir: str | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m crew.launcher.probe",
-                                     description="crew's node check (started by `crew doctor`).")
-    parser.add_argument("--job", help="job id, for `ps` readers")
-    parser.add_argument("--node_rank", type=int, required=True)
-    parser.add_argument("--spec_b64", help="the job spec in base64 (default: one JSON line on stdin)")
-    parser.add_argument("--watch", help=argparse.SUPPRESS)  # pdsh passes it, as to the agent
+    parser = node_arguments("python -m crew.launcher.probe", "crew's node check (started by `crew doctor`).")
     parser.add_argument("--full", action="store_true", help="every check, not only the quick ones")
     parser.add_argument("--save_dir", help="where checkpoints go (relative to the job's directory)")
     args = parser.parse_args(argv)
-    others_done = threading.Event()
-    if args.spec_b64:
-        job = JobSpec.from_b64(args.spec_b64)
-    else:  # the launcher closes stdin once the other nodes' probes have finished
-        job = JobSpec.from_json(sys.stdin.readline())
-        threading.Thread(target=lambda: (sys.stdin.read(), others_done.set()), daemon=True).start()
+    job = read_job(parser, args)
+    others_done = threading.Event()  # the launcher closes stdin once the other nodes' probes finished
+    if not args.spec_b64:  # pdsh gives no stdin: node 0 listens until every node connected, or the timeout
+        threading.Thread(target=lambda: (sys.stdin.buffer.read(), others_done.set()), daemon=True).start()
     facts = probe(job, args.node_rank, args.full, args.save_dir, others_done)
     sys.stdout.buffer.write(encode_event("probe", **facts))
     sys.stdout.flush()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

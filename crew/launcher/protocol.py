@@ -15,8 +15,10 @@ thread's [file, line, function], innermost first), `error`, `alive`, `done`.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
+import os
 from dataclasses import asdict, dataclass, field
 
 EVENT_MARK = b"\x1ecrew-event "
@@ -84,3 +86,28 @@ def decode_event(line: bytes) -> dict | None:
         return json.loads(line[len(EVENT_MARK):])
     except ValueError:
         return None
+
+
+def node_arguments(prog: str, description: str) -> argparse.ArgumentParser:
+    """The command line every runner gives a node-side crew module (the agent, the doctor's probe)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--job", help="job id, for `ps` readers; the spec carries the real one")
+    parser.add_argument("--node_rank", type=int, required=True)
+    parser.add_argument("--spec_b64", help="the job spec in base64 (default: one JSON line on stdin)")
+    parser.add_argument("--watch", choices=("stdin", "stdout"), default="stdin",
+                        help="how to notice the launcher is gone: stdin EOF, or stdout hang-up (pdsh)")
+    return parser
+
+
+def read_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> JobSpec:
+    """The spec from --spec_b64, or its line on stdin (read unbuffered: stdin stays the launcher's)."""
+    if args.spec_b64:
+        job = JobSpec.from_b64(args.spec_b64)
+    else:
+        line = b""
+        while not line.endswith(b"\n") and (chunk := os.read(0, 1)):
+            line += chunk
+        job = JobSpec.from_json(line)
+    if not 0 <= args.node_rank < len(job.nodes):
+        parser.error(f"--node_rank {args.node_rank} is not in 0..{len(job.nodes) - 1}")
+    return job
