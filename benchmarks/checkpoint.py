@@ -32,7 +32,7 @@ table shows medians over --repeat repetitions; the ratio lines also give best ru
 busy 2-core machine the page-cache writes vary by 2x from run to run, and the minimum is the least
 disturbed. MB/s is the checkpoint's size on disk (all files of all ranks, 1 MB = 10^6 bytes) over
 the time. Below it, crew's save and load are split into phases (rank 0, exclusive time, medians),
-measured by wrapping crew.checkpoint's functions, torch.save and os.fsync in the benchmark's worker
+measured by wrapping crew.runtime.checkpoint's functions, torch.save and os.fsync in the benchmark's worker
 while crew saves and loads (crew itself is unchanged).
 
 The target from the issue: crew's save within 1.2x of plain torch.save, while keeping atomicity.
@@ -88,7 +88,7 @@ def folder_bytes(folder: Path) -> int:
 # --------------------------------------------------------------------------------------------------
 # phases of crew's save and load: exclusive time per wrapped function (rank 0)
 
-SAVE_PHASES = {  # label: names in crew.checkpoint (or "torch.save", "os.fsync", "comm.barrier")
+SAVE_PHASES = {  # label: names in crew.runtime.checkpoint (or "torch.save", "os.fsync", "comm.barrier")
     "state dicts": ["_engine_state", "_rank_state", "_client_state_bytes"],
     "torch.save (serialise + write)": ["torch.save"],
     "os.fsync (files + folders)": ["os.fsync"],
@@ -133,8 +133,8 @@ class Phases:
     def installed(self):
         import torch
 
-        import crew.checkpoint as ckpt
-        from crew import comm
+        import crew.runtime.checkpoint as ckpt
+        from crew.runtime import comm
 
         owners = {"torch.save": (torch, "save"), "os.fsync": (os, "fsync"),
                   "comm.barrier": (comm, "barrier")}

@@ -347,7 +347,7 @@ def main() -> None:
 
 
 def theory_bytes(mode: str, num_params: int) -> int:
-    from crew.estimate import model_states_per_rank
+    from crew.runtime.estimate import model_states_per_rank
 
     stage = 0 if mode == "ddp" else int(mode.rsplit("-", 1)[1])
     row = next(r for r in model_states_per_rank(num_params, RANKS, "fp32") if r.stage == stage and not r.offload)

@@ -15,11 +15,11 @@ __all__ = ["ConfigError", "__version__", "add_config_arguments", "comm", "init_d
            "initialize", "zero"]
 
 _LAZY = {
-    "initialize": ("crew.api", "initialize"),
-    "add_config_arguments": ("crew.api", "add_config_arguments"),
-    "init_distributed": ("crew.comm", "init_distributed"),
-    "comm": ("crew.comm", None),
-    "zero": ("crew.zero", None),
+    "initialize": ("crew.runtime.api", "initialize"),
+    "add_config_arguments": ("crew.runtime.api", "add_config_arguments"),
+    "init_distributed": ("crew.runtime.comm", "init_distributed"),
+    "comm": ("crew.runtime.comm", None),
+    "zero": ("crew.runtime.zero", None),
     "ConfigError": ("crew.errors", "ConfigError"),
 }
 

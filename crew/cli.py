@@ -300,7 +300,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from crew.checkpoint import export  # torch is needed here only
+    from crew.runtime.checkpoint import export  # torch is needed here only
 
     folder = export(args.checkpoint_dir, args.out)
     print(f"crew: wrote {args.out} (fp32 state dict) from {folder}", file=sys.stderr)
@@ -308,7 +308,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from crew import estimate  # torch only for --model, inside count_parameters
+    from crew.runtime import estimate  # torch only for --model, inside count_parameters
 
     num_params = estimate.count_parameters(args.model) if args.model else estimate.parse_count(args.params)
     world_size = estimate.world_size_from(args.world_size, args.num_gpus, args.num_nodes,

@@ -13,8 +13,12 @@ from pathlib import Path
 
 import pytest
 
+# The helpers beside this file (dist, sshnodes, conftest itself) import by name from tests/launcher and
+# tests/runtime too.
 sys.path.insert(0, str(Path(__file__).parent))
 import sshnodes  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 
 RUN_TIMEOUT_S = 120
 

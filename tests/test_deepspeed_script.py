@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
+from conftest import REPO as ROOT
 from conftest import crew
 
-ROOT = Path(__file__).parent.parent
 SCRIPT = str(ROOT / "examples" / "train.py")
 CONFIG = str(ROOT / "examples" / "ds_config.json")
 ARGS = ["--deepspeed", "--deepspeed_config", CONFIG, "--epochs", "3", "--samples", "2048"]

@@ -340,7 +340,7 @@ def save_dir_of(args: argparse.Namespace) -> str | None:
 
 def run_doctor(launch, args: argparse.Namespace) -> int:
     from crew.cli import job_spec
-    from crew.estimate import parse_bytes
+    from crew.runtime.estimate import parse_bytes
 
     job = job_spec(launch, args)
     save_dir = save_dir_of(args)

@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import crew, write_script
+
 from crew.launcher.ignore import list_files
 from crew.launcher.sync import _remote_path
 

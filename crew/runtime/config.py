@@ -32,8 +32,8 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from crew import balance
 from crew.errors import ConfigError
+from crew.runtime import balance
 
 __all__ = ["BF16Config", "BatchSizeError", "Config", "ConfigWarning", "FP16Config", "OptimizerConfig",
            "SchedulerConfig", "ZeroConfig", "ignored_keys", "load_config", "resolve_batch_sizes"]
@@ -95,7 +95,7 @@ class CheckpointConfig(BaseModel):
 
 
 class ZeroConfig(BaseModel):
-    """Only `stage` is typed; the other keys are kept in `model_extra` and read by crew/zero.py."""
+    """Only `stage` is typed; the other keys are kept in `model_extra` and read by crew/runtime/zero.py."""
 
     model_config = ConfigDict(strict=True, extra="allow", frozen=True)
     stage: int = Field(0, ge=0, le=3, description="0 off, 1 optimizer state, 2 +gradients, 3 +parameters.")
@@ -109,7 +109,7 @@ class Config(BaseModel):
     train_micro_batch_size_per_gpu: int | None = Field(gt=0, description="Samples per rank per "
                                                        "forward/backward; None when each rank has its own.")
     gradient_accumulation_steps: int = Field(gt=0, description="Micro batches per optimizer step.")
-    # crew's key: a list by global rank, or "auto" (crew/balance.py); resolved to the sizes to start with
+    # crew's key: a list by global rank, or "auto" (crew/runtime/balance.py); resolved to the sizes to start with
     train_micro_batch_size_per_rank: tuple[int, ...] | None = Field(None, description="Each global rank's "
                                                                     "micro batch; None = DeepSpeed's even split.")
     auto_balance: bool = Field(False, description="train_micro_batch_size_per_rank was \"auto\".")
@@ -217,7 +217,7 @@ _ZERO_DEEPSPEED_ONLY = frozenset({
     "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
     "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
     "zero_quantized_nontrainable_weights", "zero_quantized_weights", "zeropp_loco_param"})
-# crew/zero.py reads these (and "wrap", crew's own); the rest of DeepSpeed's ZeRO keys have no effect.
+# crew/runtime/zero.py reads these (and "wrap", crew's own); the rest of DeepSpeed's ZeRO keys have no effect.
 _ZERO_IMPLEMENTED = frozenset({"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "wrap"})
 _BF16_KEYS = (frozenset(BF16Config.model_fields), frozenset({
     "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow", "check_overflow",

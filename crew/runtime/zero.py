@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from crew import comm
 from crew.errors import ConfigError, CrewError
 from crew.log import log_rank0
+from crew.runtime import comm
 
 WRAP_CHOICES = ("blocks", "children")
 # Keys with a torch equivalent; every other zero_optimization key is listed as having no effect.
@@ -429,7 +429,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def _owners(param: torch.Tensor) -> Iterable[tuple[torch.nn.Module, str]]:
-    from crew.engine import live_engines
+    from crew.runtime.engine import live_engines
     for engine in live_engines():
         for module in engine.module.modules():
             for name, value in module._parameters.items():
@@ -438,7 +438,7 @@ def _owners(param: torch.Tensor) -> Iterable[tuple[torch.nn.Module, str]]:
 
 
 def _masters_of(param: torch.Tensor) -> Iterable[torch.Tensor]:
-    from crew.engine import live_engines
+    from crew.runtime.engine import live_engines
     for engine in live_engines():
         master = engine.precision.master_of(param)
         if master is not param:

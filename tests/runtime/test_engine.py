@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from dist import run_ranks
 
 STEPS = 4
@@ -218,7 +217,7 @@ def test_the_process_group_is_destroyed_at_exit_while_python_is_whole(tmp_path):
     script.write_text(textwrap.dedent("""
         import atexit, torch, torch.distributed as dist
         import crew
-        # registered before crew.engine is imported, so it runs after crew's own exit handler
+        # registered before crew.runtime.engine is imported, so it runs after crew's own exit handler
         atexit.register(lambda: print("group at exit:", dist.is_initialized()))
         engine, _, _, _ = crew.initialize(model=torch.nn.Linear(4, 4), config={
             "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})

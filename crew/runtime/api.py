@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from crew import comm
-from crew.balance import Balancer
-from crew.config import ignored_keys, load_config
-from crew.data import DataLoader
-from crew.engine import Engine
 from crew.errors import ConfigError, CrewError, install_excepthook
 from crew.log import log_rank0
+from crew.runtime import comm
+from crew.runtime.balance import Balancer
+from crew.runtime.config import ignored_keys, load_config
+from crew.runtime.data import DataLoader
+from crew.runtime.engine import Engine
 
 install_excepthook()
 

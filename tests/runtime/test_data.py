@@ -1,4 +1,4 @@
-"""crew.data: DeepSpeed's training loader on every rank, reshuffled epochs, resume without reading."""
+"""crew.runtime.data: DeepSpeed's training loader on every rank, reshuffled epochs, resume without reading."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 
-from crew.data import (
+from crew.errors import ConfigError, CrewError
+from crew.runtime.data import (
     DataLoader,
     RepeatingLoader,
     batches_per_epoch,
     samples_per_rank,
     split_micro_steps,
 )
-from crew.errors import ConfigError, CrewError
 
 N = 23        # not a multiple of 2 or 3, so DistributedSampler pads
 MICRO = 5     # leaves a short last batch for every world size below, so drop_last matters

@@ -3,7 +3,7 @@
     "train_micro_batch_size_per_rank": [12, 4]      rank 0 takes 12 samples per micro step, rank 1 four
     "train_micro_batch_size_per_rank": "auto"       start even, then move samples to the faster ranks
 
-Every global micro step takes sum(sizes) samples and rank r the next sizes[r] of them (crew/data.py),
+Every global micro step takes sum(sizes) samples and rank r the next sizes[r] of them (crew/runtime/data.py),
 so train_batch_size stays the global batch. Rank r's loss is weighted by
 world_size * sizes[r] / sum(sizes) before the gradients are averaged, which makes the update the mean
 over every sample of the global batch: what one process taking the whole batch computes.
@@ -66,7 +66,7 @@ def resolve(value: Any, train_batch_size: int | None, micro: int | None, steps: 
             world_size: int, source: str) -> tuple[int, int, tuple[int, ...]]:
     """KEY's list or "auto" with the batch keys -> (train_batch_size, gradient_accumulation_steps,
     micro batch per rank); for "auto" the sizes are the split it starts from."""
-    from crew.config import resolve_batch_sizes
+    from crew.runtime.config import resolve_batch_sizes
 
     if value == "auto":
         if micro is not None:

@@ -1,4 +1,4 @@
-"""crew.optim against DeepSpeed 0.19.1's optimizer mapping and LR schedules.
+"""crew.runtime.optim against DeepSpeed 0.19.1's optimizer mapping and LR schedules.
 
 Hard-coded sequences (`DS_*`) were produced by running deepspeed/runtime/lr_schedules.py from the
 deepspeed==0.19.1 sdist on torch.optim.AdamW(lr=0.1), reading param_groups[0]["lr"] (and "betas") right
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from crew.errors import ConfigError
-from crew.optim import (
+from crew.runtime.optim import (
     LRRangeTest,
     OneCycle,
     WarmupCosineLR,
@@ -270,7 +270,7 @@ def test_one_cycle_stair_counts_hold_steps():
 
 def test_one_cycle_without_betas_leaves_sgd_momentum(caplog):
     opt = make_optimizer(cls=torch.optim.SGD, momentum=0.5)
-    with caplog.at_level(logging.WARNING, logger="crew.optim"):
+    with caplog.at_level(logging.WARNING, logger="crew.runtime.optim"):
         s = OneCycle(opt, 0.01, 0.1, cycle_first_step_size=2)
     assert "cycle_momentum is off because SGD has no 'betas'" in caplog.text
     close(lr_trace(s, 4), [0.01, 0.055, 0.1, 0.055, 0.01])
@@ -500,7 +500,7 @@ def test_torch_optim_names_pass_through():
 
 
 def test_set_grad_none_false_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="crew.optim"):
+    with caplog.at_level(logging.WARNING, logger="crew.runtime.optim"):
         build_optimizer("Adam", {"set_grad_none": False}, [torch.nn.Parameter(torch.zeros(2))])
     assert "set_grad_none=False is ignored" in caplog.text
 

@@ -9,7 +9,6 @@ import signal
 import subprocess
 
 import pytest
-
 from conftest import STEPPER, crew, start_crew, wait_for_file, wait_until_gone, write_script
 from sshnodes import _keygen
 

@@ -11,7 +11,7 @@ calls), written so that no crash can destroy the last good one.
                               replicated, so each rank serialises and fsyncs only its part); stage 1:
                               one part, by the rank the optimizer state is consolidated to
         sharded/              ZeRO stages 2-3: model and optimizer shards by parameter name, one DCP
-                              checkpoint written by all ranks in parallel (crew/checkpoint_sharded.py)
+                              checkpoint written by all ranks in parallel (crew/runtime/checkpoint/sharded.py)
         engine_state.pt       stages 2-3: all the rest (optimizer param groups, scheduler, ...)
         client_state.pt       the user's client_state
         rank<R>.pt            rank R's RNG states and data loader position
@@ -44,9 +44,10 @@ from typing import Any
 import numpy
 import torch
 
-from crew import __version__, comm
+from crew import __version__
 from crew.errors import CrewError
 from crew.log import log_rank0, warn_once
+from crew.runtime import comm
 
 MANIFEST = "crew_checkpoint.json"
 MODEL_STATES = "model_states.{part}-of-{parts}.pt"
@@ -286,7 +287,7 @@ def _write_files(engine, staging: Path, client_state: dict, part: int | None, pa
 
 def _write_shards(engine, staging: Path) -> None:
     """Stages 2-3: every rank its shards (a collective), then rank 0 the replicated rest."""
-    from crew import checkpoint_sharded
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded
 
     optimizer_other = checkpoint_sharded.save(engine.module, engine.optimizer, staging / SHARDED_DIR)
     if comm.get_rank() == 0:
@@ -546,7 +547,7 @@ def _read_all(engine, folder: Path, states: dict, optimizer: bool) -> None:
 def _read_shards(engine, folder: Path, states: dict, optimizer: bool) -> None:
     """A sharded checkpoint: only its shapes for a sharded engine (which reads its own pieces
     later), everything, whole, for an engine at stage 0-1."""
-    from crew import checkpoint_sharded
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded
 
     if engine.zero.shards_params:
         states["shapes"] = checkpoint_sharded.saved_module_shapes(folder)
@@ -661,7 +662,7 @@ def _load_weights(engine, states: dict, folder: Path, strict: bool, optimizer: b
     saved = states["model"]
     optimizer_state = states["optimizer"] if optimizer else None
     if engine.zero.shards_params:
-        from crew import checkpoint_sharded
+        from crew.runtime.checkpoint import sharded as checkpoint_sharded
 
         if states["manifest"]["format"] == SHARDED:
             checkpoint_sharded.load(engine.module, engine.optimizer, folder / SHARDED_DIR, strict,
@@ -724,7 +725,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     stages 2-3 they are gathered from the shards first (a collective)."""
     gathered = None
     if engine.zero.shards_params:
-        from crew import checkpoint_sharded
+        from crew.runtime.checkpoint import sharded as checkpoint_sharded
 
         gathered = checkpoint_sharded.full_module_state(engine.module)
     problem = None
@@ -762,7 +763,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
         folder = folder / tag
     manifest = _read_manifest(folder)
     if manifest["format"] == SHARDED:
-        from crew import checkpoint_sharded
+        from crew.runtime.checkpoint import sharded as checkpoint_sharded
 
         module, _ = checkpoint_sharded.read_full(folder / SHARDED_DIR)
     else:

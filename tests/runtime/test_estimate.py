@@ -7,13 +7,13 @@ import subprocess
 import sys
 import textwrap
 from contextlib import nullcontext
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from crew.cli import main
 from crew.errors import CrewError
-from crew.estimate import (
+from crew.runtime.estimate import (
     Row,
     count_parameters,
     model_states_per_rank,
@@ -23,7 +23,6 @@ from crew.estimate import (
 )
 
 G = 10**9
-REPO = Path(__file__).resolve().parents[1]
 
 
 def by_stage(rows: list[Row]) -> dict[tuple[int, bool], Row]:

@@ -1,11 +1,10 @@
-"""ZeRO stages 1-3 (crew/zero.py) in real gloo processes: stage 0's losses, the memory each stage's
+"""ZeRO stages 1-3 (crew/runtime/zero.py) in real gloo processes: stage 0's losses, the memory each stage's
 theory promises, zero.Init, GatheredParameters, and the zero_optimization keys."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from dist import run_ranks
 
 STEPS = 20
@@ -99,9 +98,10 @@ def tracked_bytes_per_param(rank: int, stage: int) -> float:
     parameter, as torch's memory tracker sees them. DDP's gradient buckets come from its C++
     reducer, which the tracker files under activations: at stages 0-1 this is the total, which a
     one-row batch leaves to the model states."""
-    import crew
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    import crew
 
     torch.manual_seed(0)
     model = make_model(MEMORY_BLOCKS, MEMORY_WIDTH)
@@ -225,8 +225,8 @@ def test_gathered_parameters_show_whole_tensors_and_write_back_the_modifier_rank
 # -- zero_optimization keys -------------------------------------------------------------------
 
 def zero_of(section: dict, device: str = "cpu"):
-    from crew.config import Config
-    from crew.zero import Zero
+    from crew.runtime.config import Config
+    from crew.runtime.zero import Zero
 
     resolved = Config.from_dict({"train_micro_batch_size_per_gpu": 1, "zero_optimization": section}, 2)
     return Zero(resolved.zero_optimization, 2, torch.device(device))
@@ -258,7 +258,7 @@ def test_offload_is_a_logged_no_op_on_cpu_and_needs_stage_2_or_3_on_gpus(capsys)
 
 def test_wrap_rules_pick_the_block_stack_the_children_or_named_classes():
     from crew.errors import ConfigError
-    from crew.zero import wrap_units
+    from crew.runtime.zero import wrap_units
 
     model = torch.nn.Sequential(torch.nn.Embedding(4, 16), torch.nn.ModuleList(make_model(3).children()))
     blocks = wrap_units(model, "blocks")

@@ -15,12 +15,12 @@ from collections import Counter
 
 import pytest
 import torch
-
-from crew import balance
-from crew.config import Config
-from crew.data import DataLoader
-from crew.errors import ConfigError, CrewError
 from dist import run_ranks
+
+from crew.errors import ConfigError, CrewError
+from crew.runtime import balance
+from crew.runtime.config import Config
+from crew.runtime.data import DataLoader
 
 SAMPLES = 96
 

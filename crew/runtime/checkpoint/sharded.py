@@ -1,5 +1,5 @@
 """ZeRO stages 2-3 checkpoints: the FSDP2-sharded model and optimizer state, by parameter name, in
-one torch.distributed.checkpoint (DCP) folder inside the tag (crew/checkpoint.py does the rest).
+one torch.distributed.checkpoint (DCP) folder inside the tag (crew/runtime/checkpoint/ does the rest).
 
     <tag>/sharded/
       .metadata              global shapes, and where each piece of every tensor lies (rank 0)
@@ -35,8 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from crew.checkpoint import CheckpointError, merge_by_name
-
+from crew.runtime.checkpoint import CheckpointError, merge_by_name
 
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": None,  # any: DCP's metadata dataclasses

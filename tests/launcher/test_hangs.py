@@ -16,8 +16,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import crew, wait_until_gone, write_script
+
 from crew.launcher import joinwatch, stacks
 from crew.launcher.joinwatch import CONNECTING, JOINED, LISTENING, NOT_CONNECTED
 

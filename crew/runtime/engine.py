@@ -8,7 +8,7 @@
 At ZeRO stages 0-1 gradients are averaged across ranks by DistributedDataParallel's bucketed
 all-reduce, which runs during the boundary micro step's backward; non-boundary micro steps skip it
 (DDP `no_sync`). Stage 1 steps the optimizer through ZeroRedundancyOptimizer; stages 2-3 shard the
-model with FSDP2, which reduce-scatters on every micro step (crew/zero.py).
+model with FSDP2, which reduce-scatters on every micro step (crew/runtime/zero.py).
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ from collections.abc import Iterable
 
 import torch
 
-from crew import balance, checkpoint, comm, zero
-from crew.config import Config
 from crew.errors import ConfigError
 from crew.log import log_rank0
-from crew.optim import build_optimizer, build_scheduler
-from crew.precision import Precision, make_precision
-
+from crew.runtime import balance, checkpoint, comm, zero
+from crew.runtime.config import Config
+from crew.runtime.optim import build_optimizer, build_scheduler
+from crew.runtime.precision import Precision, make_precision
 
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
@@ -216,7 +215,7 @@ class Engine(torch.nn.Module):
     def loss_scale(self) -> float:
         return self.precision.loss_scale
 
-    # -- checkpoints (crew/checkpoint.py) -----------------------------------------------------
+    # -- checkpoints (crew/runtime/checkpoint/) -----------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
         return checkpoint.save(self, save_dir, tag, client_state, save_latest)

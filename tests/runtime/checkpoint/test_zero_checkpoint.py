@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist import run_ranks
 from test_checkpoint import dataset, ds_config, make_model
 
@@ -60,7 +59,7 @@ def train(engine, stream, until_step: int) -> list[float]:
 def whole_state(engine) -> dict | None:
     """{"model": fp32 weights, "optim": optimizer state by parameter name}, whole, at any stage
     (a collective; None on ranks other than 0 at stage 1)."""
-    from crew.checkpoint import fp32_module_state, optimizer_param_names
+    from crew.runtime.checkpoint import fp32_module_state, optimizer_param_names
 
     if engine.zero.shards_params:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -229,7 +228,7 @@ def test_stage3_checkpoint_of_two_ranks_loads_on_one(worlds):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_export_consolidates_a_checkpoint_of_any_stage(worlds, tmp_path, stage):
-    from crew.checkpoint import export
+    from crew.runtime.checkpoint import export
 
     folder, ranks = worlds[stage]
     export(folder / f"global_step{SAVE_AT}", tmp_path / "model.pt")
@@ -296,7 +295,7 @@ def test_a_crafted_sharded_metadata_cannot_run_code(tmp_path, capsys):
     engine.save_checkpoint(tmp_path)
     metadata = tmp_path / "global_step1" / "sharded" / ".metadata"
     metadata.write_bytes(pickle.dumps(_RunsCode()))
-    from crew.checkpoint import export
+    from crew.runtime.checkpoint import export
 
     with pytest.raises(Exception, match=r"\.metadata cannot be read.*builtins.print has no place"):
         export(tmp_path, tmp_path / "model.pt")

@@ -1,4 +1,4 @@
-"""crew.config: DeepSpeed's batch rules, strict types and ranges, unknown keys, "auto", load_config."""
+"""crew.runtime.config: DeepSpeed's batch rules, strict types and ranges, unknown keys, "auto", load_config."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from crew.config import BatchSizeError, Config, ConfigWarning, ignored_keys, load_config, resolve_batch_sizes
 from crew.errors import ConfigError
+from crew.runtime.config import BatchSizeError, Config, ConfigWarning, ignored_keys, load_config, resolve_batch_sizes
 
 TB, MB, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 SHORT = {"tb": TB, "mb": MB, "gas": GAS}
@@ -310,7 +310,7 @@ UNKNOWN = [
 
 @pytest.mark.parametrize("patch, key, suggestion", UNKNOWN)
 def test_unknown_keys_warn_with_did_you_mean(patch, key, suggestion, caplog):
-    with pytest.warns(ConfigWarning) as record, caplog.at_level(logging.WARNING, logger="crew.config"):
+    with pytest.warns(ConfigWarning) as record, caplog.at_level(logging.WARNING, logger="crew.runtime.config"):
         Config.from_dict({MB: 1, **patch}, world_size=1, source="ds.json")
     messages = [str(w.message) for w in record if issubclass(w.category, ConfigWarning)]
     assert len(messages) == 1 and messages[0].startswith(f"ds.json: unknown key '{key}'")
@@ -347,7 +347,7 @@ def test_ignored_keys_inside_sections_in_the_users_order(no_warnings):
             "activation_checkpointing": {}}
     assert ignored_keys(Config.from_dict(data, world_size=1)) == [
         "wandb", "activation_checkpointing", "fp16.fused_mode", "bf16.immediate_grad_update",
-        "zero_optimization.stage3_prefetch_bucket_size"]  # offload_optimizer: crew/zero.py reads it
+        "zero_optimization.stage3_prefetch_bucket_size"]  # offload_optimizer: crew/runtime/zero.py reads it
 
 
 def test_a_plain_config_ignores_nothing(no_warnings):

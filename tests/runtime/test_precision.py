@@ -1,4 +1,4 @@
-"""crew.precision: DeepSpeed's dynamic loss scale, fp32 master weights, fp16/bf16 on CPU."""
+"""crew.runtime.precision: DeepSpeed's dynamic loss scale, fp32 master weights, fp16/bf16 on CPU."""
 
 from __future__ import annotations
 
@@ -10,17 +10,15 @@ import socket
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import REPO
 
-from crew import precision as precision_module
 from crew.errors import ConfigError, CrewError
-from crew.precision import DynamicLossScaler, Precision, check_supported, make_precision
-
-REPO = Path(__file__).resolve().parents[1]
+from crew.runtime import precision as precision_module
+from crew.runtime.precision import DynamicLossScaler, Precision, check_supported, make_precision
 
 
 def fp16_config(**overrides) -> SimpleNamespace:
@@ -174,7 +172,7 @@ def test_non_finite_gradient_skips_step_and_halves_scale(bad, caplog):
     with torch.no_grad():
         model[0].weight.grad[0, 0] *= bad
 
-    with caplog.at_level(logging.INFO, logger="crew.precision"):
+    with caplog.at_level(logging.INFO, logger="crew.runtime.precision"):
         overflow = precision.unscale_grads()
         if not overflow:
             optimizer.step()
@@ -194,7 +192,7 @@ def test_overflow_inside_hysteresis_logs_and_keeps_scale(caplog):
     precision, model, _ = fp16_setup(hysteresis=2)
     backward(precision, model)
     model[2].bias.grad.fill_(float("inf"))
-    with caplog.at_level(logging.INFO, logger="crew.precision"):
+    with caplog.at_level(logging.INFO, logger="crew.runtime.precision"):
         precision.update_scale(precision.unscale_grads())
     assert precision.loss_scale == 2.0 ** 16 and precision.skipped_steps == 1
     assert "but hysteresis is 2. Reducing hysteresis to 1" in caplog.text
@@ -243,7 +241,7 @@ def test_static_loss_scale_skips_overflow_but_keeps_scale(caplog):
     assert precision.scale_loss(torch.tensor(2.0)).item() == 256.0
     backward(precision, model)
     model[0].bias.grad.fill_(float("nan"))
-    with caplog.at_level(logging.INFO, logger="crew.precision"):
+    with caplog.at_level(logging.INFO, logger="crew.runtime.precision"):
         precision.update_scale(precision.unscale_grads())
     assert precision.loss_scale == 128.0 and precision.skipped_steps == 1
     assert "OVERFLOW! Skipping step. Static loss scale 128" in caplog.text
@@ -407,7 +405,7 @@ def test_guard_passes_other_errors_through():
 RANK_SCRIPT = """
     import json, os, sys, torch, torch.distributed as dist
     from types import SimpleNamespace
-    from crew.precision import make_precision
+    from crew.runtime.precision import make_precision
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)

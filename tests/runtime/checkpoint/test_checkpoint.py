@@ -9,11 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import crew
 from dist import run_ranks
-
-ROOT = Path(__file__).parent.parent
 
 
 def make_model(hidden: int = 16) -> torch.nn.Module:
@@ -235,7 +232,7 @@ def save_expecting_error(rank: int, folder: str) -> str:
 KILLER = """
     import os, signal, sys, torch
     import crew
-    import crew.checkpoint as checkpoint
+    import crew.runtime.checkpoint as checkpoint
 
     kill_file, kill_rank = sys.argv[1], int(sys.argv[2])
     write = checkpoint._write_atomic
@@ -290,7 +287,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(job_dir, kill_file, kill
 
 
 def test_split_state_balances_bytes_and_merges_back():
-    from crew.checkpoint import merge_state, split_state
+    from crew.runtime.checkpoint import merge_state, split_state
 
     engine, loader = single_engine()
     train(engine, loader, 1)

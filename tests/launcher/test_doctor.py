@@ -17,7 +17,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from conftest import crew, processes_in, write_script
 from sshnodes import _keygen
 

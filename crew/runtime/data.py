@@ -13,7 +13,7 @@ the same micro batches on every rank. What crew adds:
 
 The arithmetic is in pure functions of `(num_samples, world_size, micro_batch_size, drop_last)`.
 
-With one micro batch size per rank (crew/balance.py) the split is crew's own, `_ShareSampler`.
+With one micro batch size per rank (crew/runtime/balance.py) the split is crew's own, `_ShareSampler`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ import signal
 import time
 
 import pytest
-
 from conftest import STEPPER, crew, start_crew, wait_for_file, wait_until_gone, write_script
 
 ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
