@@ -10,24 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
-import socket
 import sys
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from crew import __version__
-from crew.errors import CrewError, LaunchError, PlanError
+from crew.errors import CrewError
 from crew.launcher import runners
-from crew.launcher.env import gather_env
-from crew.launcher.hostfile import Host, is_number, read_hostfile
+from crew.launcher.hostfile import is_number
 from crew.launcher.job import Console, JobRun
-from crew.launcher.plan import Plan, build_plan, is_local_name, select_hosts
-from crew.launcher.protocol import JobSpec, NodeSpec
-
-LOCAL_HOST = "localhost"
+from crew.launcher.launch import Launch, agent_launches, format_layout, job_spec, local_devices, remote_nodes, resolve
+from crew.units import parse_bytes, parse_count
 
 
 def _option(parser: argparse.ArgumentParser, *names: str, **kwargs) -> None:
@@ -104,129 +97,6 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
                  "(default: this one, at the same path)")
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Everything resolved from the options, before anything starts."""
-
-    launcher: str
-    hosts: list[Host]
-    plan: Plan
-    ssh_args: tuple[str, ...]
-
-
-def resolve(args: argparse.Namespace) -> Launch:
-    hosts = read_hostfile(args.hostfile) if args.hostfile else [_this_machine(args)]
-    if args.num_nodes is not None and args.num_nodes > 1 and not args.hostfile:
-        raise PlanError(f"--num_nodes {args.num_nodes} needs a --hostfile listing that many hosts.")
-    per_host_gpus = args.num_gpus if args.hostfile else None  # else _this_machine applied it
-    hosts = select_hosts(hosts, args.include, args.exclude, args.num_nodes, per_host_gpus)
-    if args.ssh_port:
-        hosts = [h if h.ssh_port else Host(h.name, h.slots, args.ssh_port) for h in hosts]
-    launcher = _choose_launcher(args, hosts)
-    ssh_args = tuple(shlex.split(args.ssh_args))
-    master_addr = args.master_addr or _default_master(launcher, hosts[0], ssh_args)
-    if launcher == "standalone" and len(hosts) > 1 and not args.master_port:
-        raise PlanError("--launcher standalone on several nodes needs --master_port: each node "
-                        "plans on its own and all must agree on the port.")
-    port = args.master_port or _free_port()
-    env = gather_env(os.environ, Path.home(), Path.cwd(), args.env)
-    return Launch(launcher, hosts, build_plan(hosts, master_addr, port, env), ssh_args)
-
-
-def _this_machine(args: argparse.Namespace) -> Host:
-    """No hostfile: one node, this machine; its GPUs, or --num_gpus CPU processes."""
-    if args.num_gpus is not None and args.num_gpus < 1:
-        raise PlanError(f"--num_gpus {args.num_gpus}: must be at least 1.")
-    devices = _local_devices() or list(range(args.num_gpus or 1))
-    count = args.num_gpus or len(devices)
-    if count > len(devices):
-        raise PlanError(f"--num_gpus {count}: this machine has only {len(devices)} GPU(s) visible.")
-    return Host(LOCAL_HOST, tuple(devices[:count]))
-
-
-def _local_devices() -> list[int]:
-    """GPU ids visible here, found without importing torch (CUDA_VISIBLE_DEVICES, /dev/nvidiaN)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [part.strip() for part in visible.split(",") if part.strip()]
-        return [int(i) for i in ids] if all(map(is_number, ids)) else list(range(len(ids)))
-    found = (re.fullmatch(r"nvidia(\d+)", p.name) for p in Path("/dev").glob("nvidia*"))
-    return sorted(int(m.group(1)) for m in found if m)
-
-
-def _choose_launcher(args: argparse.Namespace, hosts: list[Host]) -> str:
-    launcher = args.launcher
-    if launcher is None:
-        here = socket.gethostname()
-        one_here = len(hosts) == 1 and is_local_name(hosts[0].name, here)
-        launcher = "local" if not args.hostfile or (one_here and not args.force_multi) else "ssh"
-    if launcher == "slurm":
-        raise LaunchError("--launcher slurm is not supported yet. Inside an allocation, run "
-                          "'srun --ntasks-per-node=1 crew run --launcher standalone --node_rank "
-                          "$SLURM_NODEID ...' instead.")
-    if launcher == "local" and len(hosts) > 1:
-        raise PlanError(f"--launcher local runs one node, but the plan has {len(hosts)}. "
-                        "Use --launcher ssh, or --num_nodes 1.")
-    if launcher == "standalone" and args.node_rank is None:
-        raise PlanError("--launcher standalone needs --node_rank K: run the same command on each "
-                        "node with K = 0, 1, ... in hostfile order.")
-    if args.node_rank is not None and not 0 <= args.node_rank < len(hosts):
-        raise PlanError(f"--node_rank {args.node_rank}: the plan has nodes 0..{len(hosts) - 1}.")
-    return launcher
-
-
-def _default_master(launcher: str, first: Host, ssh_args: tuple[str, ...]) -> str:
-    if launcher == "local":
-        return "127.0.0.1"
-    if launcher in ("ssh", "pdsh"):
-        return runners.resolve_ssh_host(first.name, first.ssh_port, ssh_args)
-    return first.name
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0) -> JobSpec:
-    plan = launch.plan
-    cwd = os.getcwd()
-    mode = "module" if args.module else "exec" if args.no_python else "python"
-    return JobSpec(
-        job_id=uuid.uuid4().hex[:8],
-        nodes=tuple(NodeSpec(n.host, n.slots, n.ranks) for n in plan.nodes),
-        master_addr=plan.master_addr, master_port=plan.master_port,
-        program=(args.script or "<script>", *getattr(args, "script_args", [])),
-        cwd=cwd, mode=mode, env=plan.env, local_rank_arg=not args.no_local_rank,
-        log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
-        restart_count=restart_count, init_timeout=getattr(args, "init_timeout", None) or 0.0)
-
-
-def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,
-                   module: str = runners.AGENT_MODULE, extra: tuple[str, ...] = ()):
-    """How each node's agent (or another crew module, e.g. the doctor's probe) gets started."""
-    ports = [node.ssh_port for node in launch.plan.nodes]
-    if launch.launcher == "ssh":
-        return runners.ssh_launches(job, args.python, ports, launch.ssh_args, module, extra)
-    if launch.launcher == "pdsh":
-        return runners.pdsh_launches(job, args.python, ports, launch.ssh_args, module, extra)
-    return runners.local_launches(job, args.python, args.node_rank or 0, module, extra)
-
-
-def format_layout(launch: Launch, job_id: str | None = None) -> str:
-    plan = launch.plan
-    head = f"job {job_id} · " if job_id else ""
-    lines = [f"{head}{plan.world_size} rank(s) on {len(plan.nodes)} node(s) · launcher "
-             f"{launch.launcher} · master {plan.master_addr}:{plan.master_port}"]
-    for node in plan.nodes:
-        port = f" (ssh port {node.ssh_port})" if node.ssh_port else ""
-        ranks = f"{node.ranks[0]}-{node.ranks[-1]}" if len(node.ranks) > 1 else f"{node.ranks[0]}"
-        devices = ",".join(map(str, node.slots))
-        lines.append(f"  node {node.node_rank}: {node.host}{port} → ranks {ranks} → devices {devices}")
-    return "\n".join(lines)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     launch = resolve(args)
     job = job_spec(launch, args)
@@ -274,13 +144,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
-def remote_nodes(launch: Launch) -> list[tuple[str, int | None]]:
-    """(host, ssh port) of each node reached over ssh; none for the local and standalone launchers."""
-    if launch.launcher not in ("ssh", "pdsh"):
-        return []
-    return [(node.host, node.ssh_port) for node in launch.plan.nodes]
-
-
 def sync_code(launch: Launch, args: argparse.Namespace, paths: list[str], say) -> None:
     from crew.launcher import sync
 
@@ -310,10 +173,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from crew.runtime import estimate  # torch only for --model, inside count_parameters
 
-    num_params = estimate.count_parameters(args.model) if args.model else estimate.parse_count(args.params)
+    num_params = estimate.count_parameters(args.model) if args.model else parse_count(args.params)
     world_size = estimate.world_size_from(args.world_size, args.num_gpus, args.num_nodes,
-                                          len(_local_devices()))
-    memory = estimate.parse_bytes(args.device_memory) if args.device_memory else None
+                                          len(local_devices()))
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
     rows = estimate.model_states_per_rank(num_params, world_size, args.precision)
     if args.json:
         data = [{**vars(row), **({"fits": estimate.fit(row, memory)} if memory else {})} for row in rows]

@@ -23,8 +23,10 @@ from pathlib import Path
 
 from crew.errors import CrewError
 from crew.launcher import probe, runners
+from crew.launcher.launch import Launch, agent_launches, job_spec
 from crew.launcher.proc import signal_tree
 from crew.launcher.protocol import JobSpec, decode_event
+from crew.units import parse_bytes
 
 PROBE_MODULE = "crew.launcher.probe"
 QUICK_TIMEOUT_S = 20.0  # ssh's ConnectTimeout is 10 s
@@ -67,10 +69,8 @@ class ProbeRun:
     seconds: float
 
 
-def run_probes(launch, args: argparse.Namespace, job: JobSpec, full: bool,
+def run_probes(launch: Launch, args: argparse.Namespace, job: JobSpec, full: bool,
                save_dir: str | None) -> ProbeRun:
-    from crew.cli import agent_launches
-
     extra = ("--full",) if full else ()
     if save_dir:
         extra += ("--save_dir", save_dir)
@@ -130,7 +130,7 @@ def _lines_of(lines: list[str], host: str, launch) -> list[str]:
 
 # -- comparing ----------------------------------------------------------------------------------------
 
-def evaluate(launch, job: JobSpec, run: ProbeRun, reference: dict, full: bool,
+def evaluate(launch: Launch, job: JobSpec, run: ProbeRun, reference: dict, full: bool,
              ssh_args: tuple[str, ...], min_free: int | None) -> list[NodeReport]:
     reports = []
     for node in launch.plan.nodes:
@@ -338,10 +338,7 @@ def save_dir_of(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run_doctor(launch, args: argparse.Namespace) -> int:
-    from crew.cli import job_spec
-    from crew.runtime.estimate import parse_bytes
-
+def run_doctor(launch: Launch, args: argparse.Namespace) -> int:
     job = job_spec(launch, args)
     save_dir = save_dir_of(args)
     try:
@@ -364,12 +361,10 @@ def run_doctor(launch, args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def preflight(launch, args: argparse.Namespace, say) -> int:
+def preflight(launch: Launch, args: argparse.Namespace, say) -> int:
     """The quick checks before `crew run` starts any rank; 1 (and the problems said) to refuse."""
     if launch.launcher not in ("ssh", "pdsh"):
         return 0  # one machine (local), or nodes started by hand (standalone): nothing to compare
-    from crew.cli import job_spec
-
     job = job_spec(launch, args)
     run = run_probes(launch, args, job, full=False, save_dir=None)
     reports = evaluate(launch, job, run, reference_facts(job, full=False), False, launch.ssh_args, None)

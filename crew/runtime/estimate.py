@@ -28,23 +28,17 @@ Only `count_parameters` imports torch, and only when called.
 from __future__ import annotations
 
 import importlib
-import re
 import warnings
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 
 from crew.errors import CrewError
+from crew.units import GIB
 
-GIB = 2**30
 HEADROOM = 0.2  # share of device memory kept free for activations and temporary buffers
 STAGES = (0, 1, 2, 3)
 # bytes per parameter: (params, grads, optimizer state)
 BYTES_PER_PARAM = {"fp32": (4, 4, 8), "fp16": (2, 2, 12), "bf16": (2, 2, 12)}
 PRECISIONS = tuple(BYTES_PER_PARAM)
-
-_COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_BYTE_UNITS = {"": GIB, "b": 1, "k": 2**10, "m": 2**20, "g": GIB, "t": 2**40}
-
 
 @dataclass(frozen=True)
 class Row:
@@ -79,36 +73,6 @@ def model_states_per_rank(num_params: int, world_size: int, precision: str = "bf
             rows.append(Row(stage, offload, params, grads, optimizer,
                             device_bytes=params + grads + optimizer - on_cpu, cpu_bytes=on_cpu))
     return rows
-
-
-def parse_count(text: str) -> int:
-    """'7B', '1.3e9', '350M', '125k', '1_000' -> a whole number of parameters (suffixes k/M/B/T)."""
-    match = re.fullmatch(r"\s*([0-9_.]+(?:[eE][+-]?\d+)?)\s*([a-zA-Z]?)\s*", str(text))
-    suffix = match.group(2).lower() if match else ""
-    try:
-        if not match or suffix not in _COUNT_SUFFIXES:
-            raise InvalidOperation
-        value = Decimal(match.group(1)) * _COUNT_SUFFIXES[suffix]
-    except InvalidOperation:
-        raise CrewError(f"parameter count {text!r}: expected a number with an optional k, M, B or T, "
-                        "e.g. 7B, 1.3e9, 350M, 125k or 1000.") from None
-    if value != value.to_integral_value() or value < 1:
-        raise CrewError(f"parameter count {text!r} = {value}: expected a whole number of at least 1.")
-    return int(value)
-
-
-def parse_bytes(text: str) -> int:
-    """'80GB', '80GiB', '80G', '81920MB', '80' -> bytes. Binary units throughout: a GPU sold as
-    '80GB' has about 80 GiB, and the table prints GiB. A bare number means GiB."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kKmMgGtT])(?:i?[bB])?|([bB]))?\s*", str(text))
-    if not match:
-        raise CrewError(f"device memory {text!r}: expected a size such as 80GB, 80GiB, 40G or "
-                        "24576MB (binary units; a bare number means GiB).")
-    unit = (match.group(2) or match.group(3) or "").lower()
-    size = int(Decimal(match.group(1)) * _BYTE_UNITS[unit])
-    if size < 1:
-        raise CrewError(f"device memory {text!r}: must be more than 0.")
-    return size
 
 
 def world_size_from(world_size: int | None, num_gpus: int | None, num_nodes: int | None,

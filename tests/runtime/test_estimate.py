@@ -17,10 +17,9 @@ from crew.runtime.estimate import (
     Row,
     count_parameters,
     model_states_per_rank,
-    parse_bytes,
-    parse_count,
     world_size_from,
 )
+from crew.units import parse_bytes, parse_count
 
 G = 10**9
 
