@@ -16,7 +16,6 @@ stdin, so no `stacks` line can arrive: there the launcher stops the job without 
 
 from __future__ import annotations
 
-import collections
 import os
 import queue
 import re
@@ -28,59 +27,20 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from crew.launcher import stacks
 from crew.launcher.joinwatch import JoinWatch
 from crew.launcher.proc import die_with_parent, signal_group
-from crew.launcher.protocol import STACKS_COMMAND, JobSpec, NodeSpec, encode_event, node_arguments, read_job
+from crew.launcher.protocol import STACKS_COMMAND, JobSpec, NodeSpec, node_arguments, read_job
+from crew.launcher.ranks import Output, Rank
 
-STDERR_TAIL_LINES = 20
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel before giving up on a rank
 HEARTBEAT_S = 2.0
 STDERR_DRAIN_S = 1.0  # after a rank ends, how long to wait for the rest of its stderr
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _MAX_LINE = 1 << 20
-
-
-@dataclass
-class Rank:
-    rank: int
-    local_rank: int
-    proc: subprocess.Popen
-    log: BinaryIO | None = None
-    stderr_tail: collections.deque = field(
-        default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
-    stderr_done: threading.Event = field(default_factory=threading.Event)
-    dump: list[str] | None = None  # its stderr lines since it was sent SIGABRT for its stack
-    said_timeout: bool = False  # a stderr line said a torch.distributed operation timed out
-
-    @property
-    def code(self) -> int | None:
-        return self.proc.returncode
-
-
-class Output:
-    """Writes whole lines from many threads to the agent's stdout/stderr and to rank logs."""
-
-    def __init__(self, on_broken):
-        self._lock = threading.Lock()
-        self._on_broken = on_broken
-
-    def write(self, fd: int, data: bytes, log: BinaryIO | None = None, log_data: bytes = b""):
-        with self._lock:
-            if log is not None:
-                log.write(log_data)
-            try:
-                while data:
-                    data = data[os.write(fd, data):]
-            except OSError:  # the launcher (or ssh) is gone
-                self._on_broken()
-
-    def event(self, kind: str, **fields) -> None:
-        self.write(1, encode_event(kind, **fields))
 
 
 def split_lines(buffer: bytes) -> tuple[list[bytes], bytes]:

@@ -26,11 +26,9 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from crew.launcher.agent import Output, Rank
-    from crew.launcher.protocol import JobSpec
+from crew.launcher.protocol import JobSpec
+from crew.launcher.ranks import Output, Rank
 
 JOINED, CONNECTING, LISTENING, NOT_CONNECTED = "joined", "connecting", "listening", "not connected"
 EXITED = "exited"  # reported by the agent when a rank ends before it was seen joined
