@@ -17,31 +17,23 @@ import atexit
 import gc
 import time
 import warnings
-import weakref
 from collections.abc import Iterable
 
 import torch
 
 from crew.errors import ConfigError
 from crew.log import log_rank0
-from crew.runtime import balance, checkpoint, comm, zero
+from crew.runtime import balance, checkpoint, comm, registry, zero
 from crew.runtime.config import Config
 from crew.runtime.optim import build_optimizer, build_scheduler
 from crew.runtime.precision import Precision, make_precision
-
-_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
-
-
-def live_engines() -> list[Engine]:
-    return list(_LIVE_ENGINES)
-
 
 @atexit.register
 def _release_process_group() -> None:
     """Tear the process group down while Python is still whole. Left to interpreter shutdown (DDP's
     reducer keeps it alive), gloo can abort a rank that finished fine: 'terminate called without
     an active exception'. DeepSpeed scripts never destroy the group themselves."""
-    for engine in list(_LIVE_ENGINES):
+    for engine in registry.live_engines():
         engine._ddp = None
     gc.collect()
     comm.destroy_process_group()
@@ -73,7 +65,7 @@ class Engine(torch.nn.Module):
         self.training_dataloader = None
         self._loss_sum: torch.Tensor | None = None
         self._last_print = (time.perf_counter(), 0)
-        _LIVE_ENGINES.add(self)
+        registry.register(self)
 
     # -- set-up -------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ import torch
 from crew.errors import ConfigError, CrewError
 from crew.log import log_rank0
 from crew.runtime import comm
+from crew.runtime.registry import live_engines
 
 WRAP_CHOICES = ("blocks", "children")
 # Keys with a torch equivalent; every other zero_optimization key is listed as having no effect.
@@ -429,7 +430,6 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def _owners(param: torch.Tensor) -> Iterable[tuple[torch.nn.Module, str]]:
-    from crew.runtime.engine import live_engines
     for engine in live_engines():
         for module in engine.module.modules():
             for name, value in module._parameters.items():
@@ -438,7 +438,6 @@ def _owners(param: torch.Tensor) -> Iterable[tuple[torch.nn.Module, str]]:
 
 
 def _masters_of(param: torch.Tensor) -> Iterable[torch.Tensor]:
-    from crew.runtime.engine import live_engines
     for engine in live_engines():
         master = engine.precision.master_of(param)
         if master is not param:
