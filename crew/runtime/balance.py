@@ -3,10 +3,11 @@
     "train_micro_batch_size_per_rank": [12, 4]      rank 0 takes 12 samples per micro step, rank 1 four
     "train_micro_batch_size_per_rank": "auto"       start even, then move samples to the faster ranks
 
-Every global micro step takes sum(sizes) samples and rank r the next sizes[r] of them (crew/runtime/data.py),
-so train_batch_size stays the global batch. Rank r's loss is weighted by
-world_size * sizes[r] / sum(sizes) before the gradients are averaged, which makes the update the mean
-over every sample of the global batch: what one process taking the whole batch computes.
+The sizes are resolved from the config by batch.py. Every global micro step takes sum(sizes) samples
+and rank r the next sizes[r] of them (data.py), so train_batch_size stays the global batch. Rank r's
+loss is weighted by world_size * sizes[r] / sum(sizes) before the gradients are averaged, which makes
+the update the mean over every sample of the global batch: what one process taking the whole batch
+computes.
 
 "auto" times each rank's forward and backward up to the moment its gradients are ready, before it
 waits for the others (the last DDP bucket's hook, or the end of a no_sync backward). Every WINDOW
@@ -21,8 +22,6 @@ Timing needs DDP's gradient hooks, so "auto" runs at ZeRO stages 0-1; stages 2-3
 
 from __future__ import annotations
 
-import heapq
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -32,116 +31,17 @@ import torch
 
 from crew.errors import ConfigError
 from crew.log import log_rank0
+from crew.runtime.batch import PER_RANK_KEY, allocate
 
-KEY = "train_micro_batch_size_per_rank"
 WARMUP = 1        # optimizer steps not timed after the start and after each change of split
 WINDOW = 4        # optimizer steps timed per decision
 MAX_WINDOW = 64   # the window doubles after each move that did not pay, up to this
 TOLERANCE = 0.05  # move only when the predicted step time drops by more than this
 
 
-# -- the split ----------------------------------------------------------------------------------
-
-def allocate(total: int, seconds_per_sample: Sequence[float]) -> list[int]:
-    """`total` samples as one micro batch per rank (each >= 1) minimising the slowest rank's
-    predicted time size * seconds_per_sample: each sample goes to the rank that would finish it
-    first (ties to the lower rank, so every rank computes the same split)."""
-    sizes = [1] * len(seconds_per_sample)
-    heap = [(2 * cost, rank) for rank, cost in enumerate(seconds_per_sample)]
-    heapq.heapify(heap)
-    for _ in range(total - len(sizes)):
-        _, rank = heapq.heappop(heap)
-        sizes[rank] += 1
-        heapq.heappush(heap, ((sizes[rank] + 1) * seconds_per_sample[rank], rank))
-    return sizes
-
-
 def _slowest(sizes: Sequence[int], seconds_per_sample: Sequence[float]) -> float:
     return max(size * cost for size, cost in zip(sizes, seconds_per_sample, strict=True))
 
-
-# -- the config key ------------------------------------------------------------------------------
-
-def resolve(value: Any, train_batch_size: int | None, micro: int | None, steps: int | None,
-            world_size: int, source: str) -> tuple[int, int, tuple[int, ...]]:
-    """KEY's list or "auto" with the batch keys -> (train_batch_size, gradient_accumulation_steps,
-    micro batch per rank); for "auto" the sizes are the split it starts from."""
-    from crew.runtime.config import resolve_batch_sizes
-
-    if value == "auto":
-        if micro is not None:
-            total, micro, steps = resolve_batch_sizes(train_batch_size, micro, steps, world_size, source)
-            return total, steps, (micro,) * world_size
-        return _auto_start(train_batch_size, steps, world_size, source)
-    sizes = _check_list(value, world_size, source)
-    if micro is not None:
-        raise ConfigError(
-            f"{source}: train_micro_batch_size_per_gpu {micro} and {KEY} {sizes} are both given; with "
-            f"{KEY} each rank's micro batch is its entry. Remove train_micro_batch_size_per_gpu.")
-    per_micro_step = sum(sizes)
-    if steps is None and train_batch_size is not None and train_batch_size % per_micro_step == 0:
-        steps = train_batch_size // per_micro_step
-    steps = 1 if steps is None else steps
-    if train_batch_size is not None and train_batch_size != per_micro_step * steps:
-        raise _sum_mismatch(sizes, steps, train_batch_size, source)
-    return per_micro_step * steps, steps, tuple(sizes)
-
-
-def _auto_start(train_batch_size: int | None, steps: int | None, world_size: int,
-                source: str) -> tuple[int, int, tuple[int, ...]]:
-    if train_batch_size is None:
-        raise ConfigError(
-            f"{source}: {KEY} \"auto\" needs the global batch, which it keeps fixed while it moves "
-            f"samples between ranks: set train_batch_size (e.g. {8 * world_size}) or "
-            "train_micro_batch_size_per_gpu (the even split it starts from).")
-    steps = 1 if steps is None else steps
-    if train_batch_size % steps or train_batch_size // steps < world_size:
-        good = max(train_batch_size // steps, world_size) * steps
-        raise ConfigError(
-            f"{source}: with {KEY} \"auto\", train_batch_size {train_batch_size} / "
-            f"gradient_accumulation_steps {steps} must be a whole number of samples per micro step, "
-            f"at least one per rank ({world_size}). Set train_batch_size to {good}.")
-    return train_batch_size, steps, tuple(allocate(train_batch_size // steps, [1.0] * world_size))
-
-
-def _check_list(value: Any, world_size: int, source: str) -> list[int]:
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(
-            f"{source}: {KEY} {json.dumps(value, default=repr)} must be a list with one micro batch "
-            f"size per global rank, e.g. {[4] * world_size}, or \"auto\".")
-    bad = [i for i, size in enumerate(value) if isinstance(size, bool) or not isinstance(size, int) or size < 1]
-    if bad:
-        fixed = [size if i not in bad else _whole(size) for i, size in enumerate(value)]
-        raise ConfigError(
-            f"{source}: {KEY}[{bad[0]}] is {json.dumps(value[bad[0]], default=repr)}: every rank's micro "
-            f"batch must be a whole number >= 1, e.g. {fixed}.")
-    if len(value) != world_size:
-        example = allocate(max(sum(value), world_size), [1.0] * world_size)
-        raise ConfigError(
-            f"{source}: {KEY} has {len(value)} entries but the job has {world_size} ranks: give one "
-            f"micro batch per global rank, in rank order, e.g. {example} (or \"auto\").")
-    return list(value)
-
-
-def _whole(size: Any) -> int:
-    """A valid micro batch close to a bad entry (12.0 -> 12, 0 or "x" -> 1)."""
-    number = isinstance(size, (int, float)) and not isinstance(size, bool) and size == size
-    return max(1, round(size)) if number and abs(size) != float("inf") else 1
-
-
-def _sum_mismatch(sizes: list[int], steps: int, train_batch_size: int, source: str) -> ConfigError:
-    per_micro_step = sum(sizes)
-    fix = f"Set train_batch_size to {per_micro_step * steps} (or remove it)"
-    if train_batch_size % steps == 0 and train_batch_size // steps >= len(sizes):
-        scaled = allocate(train_batch_size // steps, [1 / size for size in sizes])
-        fix += f", or keep it and give sizes that sum to {train_batch_size // steps}, e.g. {scaled}"
-    return ConfigError(
-        f"{source}: {KEY} {sizes} takes {per_micro_step} samples per micro step, x "
-        f"gradient_accumulation_steps {steps} = {per_micro_step * steps} per optimizer step, but "
-        f"train_batch_size is {train_batch_size}. {fix}.")
-
-
-# -- at run time ---------------------------------------------------------------------------------
 
 class _Clock:
     """Wall time on CPU; CUDA events on a GPU, whose work the host only queues."""
@@ -288,7 +188,7 @@ class Balancer:
             return
         if not self.auto:
             log_rank0("the checkpoint was trained with micro batch per rank %s; this run's %s %s is "
-                      "used", list(saved), KEY, self.sizes)
+                      "used", list(saved), PER_RANK_KEY, self.sizes)
         elif len(saved) != len(self.sizes) or sum(saved) != sum(self.sizes):
             log_rank0("auto balance: the checkpoint's micro batch per rank %s does not fit this run "
                       "(%d ranks, %d samples per micro step); starting from %s", list(saved),
@@ -304,7 +204,7 @@ def make(config, rank: int, device: torch.device, zero_stage: int) -> Balancer |
         return None
     if config.auto_balance and zero_stage >= 2 and config.world_size > 1:
         raise ConfigError(
-            f"{config.source}: {KEY} \"auto\" needs ZeRO stage 0 or 1 (it times each rank through DDP's "
-            f"gradient hooks; stage {zero_stage} shards with FSDP). Set the sizes by hand, e.g. "
+            f"{config.source}: {PER_RANK_KEY} \"auto\" needs ZeRO stage 0 or 1 (it times each rank "
+            f"through DDP's gradient hooks; stage {zero_stage} shards with FSDP). Set the sizes by hand, e.g. "
             f"{list(config.train_micro_batch_size_per_rank)}, or use zero_optimization.stage 1.")
     return Balancer(config.train_micro_batch_size_per_rank, config.auto_balance, rank, device)

@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from crew.errors import ConfigError
-from crew.runtime import balance
+from crew.runtime.batch import PER_RANK_KEY, BatchSizeError, resolve_batch_sizes, resolve_per_rank
 
 __all__ = ["BF16Config", "BatchSizeError", "Config", "ConfigWarning", "FP16Config", "OptimizerConfig",
            "SchedulerConfig", "ZeroConfig", "ignored_keys", "load_config", "resolve_batch_sizes"]
@@ -45,14 +45,6 @@ _SECTION = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 class ConfigWarning(UserWarning):
     """A config key crew does not know (probably a typo), or a value crew replaced with a default."""
-
-
-class BatchSizeError(ConfigError):
-    """The batch keys cannot be resolved. `suggestions`: key updates that would resolve (None = remove)."""
-
-    def __init__(self, message: str, suggestions: list[dict[str, int | None]]):
-        super().__init__(message)
-        self.suggestions = suggestions
 
 
 class OptimizerConfig(BaseModel):
@@ -109,7 +101,7 @@ class Config(BaseModel):
     train_micro_batch_size_per_gpu: int | None = Field(gt=0, description="Samples per rank per "
                                                        "forward/backward; None when each rank has its own.")
     gradient_accumulation_steps: int = Field(gt=0, description="Micro batches per optimizer step.")
-    # crew's key: a list by global rank, or "auto" (crew/runtime/balance.py); resolved to the sizes to start with
+    # crew's key: a list by global rank, or "auto" (crew/runtime/batch.py); resolved to the sizes to start with
     train_micro_batch_size_per_rank: tuple[int, ...] | None = Field(None, description="Each global rank's "
                                                                     "micro batch; None = DeepSpeed's even split.")
     auto_balance: bool = Field(False, description="train_micro_batch_size_per_rank was \"auto\".")
@@ -160,18 +152,18 @@ class Config(BaseModel):
         _warn_unknown(work, source)
         auto = _drop_auto(work, source)
         given = _validate(_BatchKeys, {k: work.get(k) for k in _BATCH_KEYS}, source)
-        per_rank = work.pop(balance.KEY, None)
+        per_rank = work.pop(PER_RANK_KEY, None)
         if per_rank is None:
             batch = resolve_batch_sizes(given.train_batch_size, given.train_micro_batch_size_per_gpu,
                                         given.gradient_accumulation_steps, world_size, source, auto)
             work.update(zip(_BATCH_KEYS, batch))
         else:
-            total, steps, sizes = balance.resolve(per_rank, given.train_batch_size,
-                                                  given.train_micro_batch_size_per_gpu,
-                                                  given.gradient_accumulation_steps, world_size, source)
+            total, steps, sizes = resolve_per_rank(per_rank, given.train_batch_size,
+                                                   given.train_micro_batch_size_per_gpu,
+                                                   given.gradient_accumulation_steps, world_size, source)
             micro = sizes[0] if per_rank == "auto" and len(set(sizes)) == 1 else None
             work.update(zip(_BATCH_KEYS, (total, micro, steps)), auto_balance=per_rank == "auto")
-            work[balance.KEY] = sizes
+            work[PER_RANK_KEY] = sizes
         fields = {k: v for k, v in work.items() if k in _TOP_KEYS | {"auto_balance"}}
         return _validate(cls, {**fields, "world_size": world_size, "source": source, "raw": raw}, source)
 
@@ -277,7 +269,7 @@ def _drop_auto(work: dict[str, Any], source: str) -> list[str]:
     """Remove "auto" values from the keys crew implements; return the batch keys that were "auto"."""
     auto_batch = [key for key in _BATCH_KEYS if work.get(key) == "auto"]
     for section, prefix, implemented, _ in list(_levels(work)):
-        for key in [k for k in section if k in implemented - {balance.KEY} and section[k] == "auto"]:
+        for key in [k for k in section if k in implemented - {PER_RANK_KEY} and section[k] == "auto"]:
             del section[key]
             if prefix or key not in _BATCH_KEYS:
                 _warn(f"{source}: {prefix}{key} is \"auto\", which only a Hugging Face integration fills "
@@ -294,71 +286,6 @@ def ignored_keys(config: Config) -> list[str]:
     for section, prefix, _, deepspeed_only in _levels(config.raw):
         found += [f"{prefix}{key}" for key in section if key in deepspeed_only]
     return found
-
-
-def resolve_batch_sizes(train_batch_size: int | None, micro_batch: int | None, grad_accum: int | None,
-                        world_size: int, source: str = "<dict>",
-                        auto: list[str] | None = None) -> tuple[int, int, int]:
-    """DeepSpeed's batch rules -> (train_batch_size, micro batch per rank, grad accum steps).
-
-    None means omitted. Raises BatchSizeError naming the values that would agree.
-    """
-    if train_batch_size is None and micro_batch is None:
-        raise _neither_given(grad_accum, world_size, source, auto or [])
-    if micro_batch is None:
-        steps = 1 if grad_accum is None else grad_accum
-        _require_multiple(train_batch_size, steps * world_size, "train_micro_batch_size_per_gpu",
-                          f"grad accum {steps}{'' if grad_accum else ' (default)'} x world size {world_size}",
-                          source)
-        return train_batch_size, train_batch_size // (steps * world_size), steps
-    if train_batch_size is None:
-        steps = 1 if grad_accum is None else grad_accum
-        return micro_batch * steps * world_size, micro_batch, steps
-    if grad_accum is None:
-        _require_multiple(train_batch_size, micro_batch * world_size, "gradient_accumulation_steps",
-                          f"micro batch {micro_batch} x world size {world_size}", source)
-        return train_batch_size, micro_batch, train_batch_size // (micro_batch * world_size)
-    if train_batch_size != micro_batch * grad_accum * world_size:
-        raise _mismatch(train_batch_size, micro_batch, grad_accum, world_size, source)
-    return train_batch_size, micro_batch, grad_accum
-
-
-def _neither_given(grad_accum: int | None, world_size: int, source: str, auto: list[str]) -> BatchSizeError:
-    steps = grad_accum or 1
-    alone = f" (gradient_accumulation_steps {grad_accum} alone is not enough)" if grad_accum else ""
-    auto_note = f" \"auto\" counts as not given ({', '.join(auto)})." if auto else ""
-    return BatchSizeError(
-        f"{source}: neither train_batch_size nor train_micro_batch_size_per_gpu is given{alone}.{auto_note} "
-        f"Set one, e.g. \"train_micro_batch_size_per_gpu\": 1, which gives train_batch_size "
-        f"{steps * world_size} at world size {world_size}.",
-        [{"train_micro_batch_size_per_gpu": 1}])
-
-
-def _require_multiple(total: int, unit: int, derived: str, unit_text: str, source: str) -> None:
-    if total % unit == 0:
-        return
-    lower, upper = total // unit * unit, (total // unit + 1) * unit
-    options = [n for n in (lower, upper) if n > 0]
-    values = " or ".join(str(n) for n in options)
-    per = " or ".join(str(n // unit) for n in options)
-    raise BatchSizeError(
-        f"{source}: train_batch_size {total} is not a positive multiple of {unit_text} = {unit}, so "
-        f"{derived} cannot be derived ({total} / {unit} is not a whole number >= 1). "
-        f"Set train_batch_size to {values} ({derived} {per}).",
-        [{"train_batch_size": n} for n in options])
-
-
-def _mismatch(total: int, micro: int, steps: int, world_size: int, source: str) -> BatchSizeError:
-    product = micro * steps * world_size
-    suggestions: list[dict[str, int | None]] = [{"train_batch_size": product}, {"train_batch_size": None}]
-    keep = ""
-    if total % (micro * world_size) == 0:
-        keep = (f" Or keep {total} and set gradient_accumulation_steps to {total // (micro * world_size)}.")
-        suggestions.append({"gradient_accumulation_steps": total // (micro * world_size)})
-    return BatchSizeError(
-        f"{source}: train_batch_size {total} != micro batch {micro} x grad accum {steps} x world size "
-        f"{world_size} = {product}. Set it to {product} or remove it and crew will derive it.{keep}",
-        suggestions)
 
 
 # --- pydantic errors -> one ConfigError line per problem -------------------------------------------

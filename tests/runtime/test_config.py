@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from crew.errors import ConfigError
-from crew.runtime.config import BatchSizeError, Config, ConfigWarning, ignored_keys, load_config, resolve_batch_sizes
+from crew.runtime.batch import BatchSizeError, resolve_batch_sizes
+from crew.runtime.config import Config, ConfigWarning, ignored_keys, load_config
 
 TB, MB, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 SHORT = {"tb": TB, "mb": MB, "gas": GAS}

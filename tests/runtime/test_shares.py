@@ -18,7 +18,7 @@ import torch
 from dist import run_ranks
 
 from crew.errors import ConfigError, CrewError
-from crew.runtime import balance
+from crew.runtime import balance, batch
 from crew.runtime.config import Config
 from crew.runtime.data import DataLoader
 
@@ -28,11 +28,11 @@ SAMPLES = 96
 # -- the split ----------------------------------------------------------------------------------
 
 def test_allocate_splits_evenly_for_equal_speeds_and_by_speed_otherwise():
-    assert balance.allocate(16, [1.0, 1.0]) == [8, 8]
-    assert balance.allocate(30, [1.0] * 4) == [8, 8, 7, 7]
-    assert balance.allocate(16, [1.0, 3.0]) == [12, 4]
-    assert balance.allocate(16, [3.0, 1.0]) == [4, 12]
-    assert balance.allocate(5, [1.0, 1000.0, 1000.0]) == [3, 1, 1]  # every rank keeps a sample
+    assert batch.allocate(16, [1.0, 1.0]) == [8, 8]
+    assert batch.allocate(30, [1.0] * 4) == [8, 8, 7, 7]
+    assert batch.allocate(16, [1.0, 3.0]) == [12, 4]
+    assert batch.allocate(16, [3.0, 1.0]) == [4, 12]
+    assert batch.allocate(5, [1.0, 1000.0, 1000.0]) == [3, 1, 1]  # every rank keeps a sample
 
 
 @pytest.mark.parametrize("costs", [[1.0, 2.5, 0.7], [0.3, 0.3, 1.9], [2.0, 1.1, 1.3]])
@@ -40,7 +40,7 @@ def test_allocate_minimises_the_slowest_rank(costs):
     total = 11
     best = min(max(s * c for s, c in zip(sizes, costs, strict=True))
                for sizes in itertools.product(range(1, total), repeat=3) if sum(sizes) == total)
-    sizes = balance.allocate(total, costs)
+    sizes = batch.allocate(total, costs)
     assert sum(sizes) == total
     assert max(s * c for s, c in zip(sizes, costs, strict=True)) == pytest.approx(best)
 
