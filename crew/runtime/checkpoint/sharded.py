@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from crew.runtime.checkpoint import CheckpointError, merge_by_name
+from crew.runtime.checkpoint.layout import CheckpointError
+from crew.runtime.checkpoint.state import merge_by_name
 
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": None,  # any: DCP's metadata dataclasses

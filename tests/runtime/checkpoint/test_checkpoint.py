@@ -232,17 +232,17 @@ def save_expecting_error(rank: int, folder: str) -> str:
 KILLER = """
     import os, signal, sys, torch
     import crew
-    import crew.runtime.checkpoint as checkpoint
 
+    import crew.runtime.checkpoint.saving as checkpoint_save  # where save looks write_atomic up
     kill_file, kill_rank = sys.argv[1], int(sys.argv[2])
-    write = checkpoint._write_atomic
+    write = checkpoint_save.write_atomic
 
     def dying_write(path, *args, **kwargs):
         if save_count[0] == 2 and path.name == kill_file and crew.comm.get_rank() == kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         return write(path, *args, **kwargs)
 
-    checkpoint._write_atomic = dying_write
+    checkpoint_save.write_atomic = dying_write
     save_count = [0]
     torch.manual_seed(0)
     engine, _, _, _ = crew.initialize(model=torch.nn.Linear(32, 32), config={

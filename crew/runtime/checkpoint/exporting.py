@@ -1,0 +1,74 @@
+"""Weights as one state dict file: save_16bit_model (in the training dtype, from a running engine)
+and `crew export` (fp32, from a checkpoint on disk)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from crew.runtime import comm
+from crew.runtime.checkpoint.collective import agree, attempt
+from crew.runtime.checkpoint.layout import (
+    MANIFEST,
+    SHARDED,
+    SHARDED_DIR,
+    CheckpointError,
+    read_latest,
+    read_manifest,
+    read_model_states,
+    write_atomic,
+)
+from crew.runtime.checkpoint.state import fp32_module_state
+
+
+def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+    """Rank 0 writes the module's weights in its training dtype (16-bit under fp16/bf16); at
+    stages 2-3 they are gathered from the shards first (a collective)."""
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
+    gathered = None
+    if engine.zero.shards_params:
+        gathered = checkpoint_sharded.full_module_state(engine.module)
+    problem = None
+    if comm.get_rank() == 0:
+        dtype = engine.precision.dtype
+        state = {name: value.to(dtype) if value.is_floating_point() else value
+                 for name, value in (gathered if gathered is not None else fp32_module_state(engine)).items()}
+        problem = attempt(write_state_dict, state, Path(save_dir) / save_filename)
+    agree(problem, f"save_16bit_model({save_dir}, {save_filename})")
+    return True
+
+
+def write_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix != ".safetensors":
+        write_atomic(path, obj=state)
+        return
+    try:
+        from safetensors.torch import save as to_safetensors
+    except ImportError:
+        raise CheckpointError(f"{path}: writing .safetensors needs the safetensors package: "
+                              "pip install 'crew[safetensors]' (or use a .bin/.pt name)") from None
+    write_atomic(path, data=to_safetensors({k: v.contiguous() for k, v in state.items()}))
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """`crew export`: a save dir (its `latest`) or a tag folder -> one fp32 state dict file. A
+    sharded checkpoint (stages 2-3) is consolidated here, in this one process."""
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
+    folder = Path(checkpoint)
+    if not (folder / MANIFEST).is_file():
+        tag = read_latest(folder)
+        if tag is None:
+            raise CheckpointError(f"{folder} is neither a checkpoint tag folder (no {MANIFEST}) "
+                                  "nor a save dir with a 'latest' file")
+        folder = folder / tag
+    manifest = read_manifest(folder)
+    if manifest["format"] == SHARDED:
+        module, _ = checkpoint_sharded.read_full(folder / SHARDED_DIR)
+    else:
+        module = read_model_states(folder, manifest)["module"]
+    write_state_dict({name: value.float() if value.is_floating_point() else value
+                      for name, value in module.items()}, Path(out))
+    return folder

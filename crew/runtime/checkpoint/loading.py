@@ -1,0 +1,251 @@
+"""load: every rank reads the tag, checks that it fits the model, converts the optimizer state
+between ZeRO stages (by parameter name) and loads it into the engine."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy
+import torch
+
+from crew.log import log_rank0
+from crew.runtime import comm
+from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere, where
+from crew.runtime.checkpoint.layout import (
+    CLIENT_STATE,
+    ENGINE_STATE,
+    MANIFEST,
+    SHARDED,
+    SHARDED_DIR,
+    CheckpointError,
+    model_state_files,
+    read,
+    read_latest,
+    read_manifest,
+    read_model_states,
+)
+from crew.runtime.checkpoint.state import groups_by_name, merge_by_name
+
+
+def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+         load_lr_scheduler_states=True, load_module_only=False):
+    load_dir = Path(load_dir).absolute()
+    tag = str(tag) if tag is not None else _agreed_latest(load_dir)
+    if tag is None:
+        log_rank0("no checkpoint to load: %s has no 'latest' file (pass tag= to choose one)", load_dir)
+        return None, None
+    agree(same_everywhere(tag, "tag"), f"load_checkpoint({load_dir})")
+    folder = load_dir / str(tag)
+    what = f"load_checkpoint({load_dir}, tag={tag})"
+    optimizer = load_optimizer_states and not load_module_only
+    states: dict = {}
+    agree(attempt(_read_all, engine, folder, states, optimizer), what)
+    agree(attempt(_check_fits, engine, states, folder, load_module_strict), what)
+    if optimizer:
+        agree(attempt(_prepare_optimizer_state, engine, states, folder), what)
+    # every rank gets here or none: the sharded load below is a collective
+    agree(attempt(_load_weights, engine, states, folder, load_module_strict, optimizer,
+                  load_module_only), what)
+    _load_the_rest(engine, states, load_lr_scheduler_states and not load_module_only, load_module_only)
+    log_rank0("loaded checkpoint %s (global step %d)", folder, engine.global_steps)
+    return str(folder), states["client"]
+
+
+def _agreed_latest(load_dir: Path) -> str | None:
+    """The tag `latest` names, the same on every rank; nodes that disagree fail every rank."""
+    seen = all_gather((read_latest(load_dir), where()))
+    tags = {tag for tag, _ in seen}
+    if len(tags) > 1:
+        listed = "; ".join(f"{where}: {tag or 'no latest file'}" for tag, where in seen)
+        raise CheckpointError(
+            f"load_checkpoint({load_dir}): the ranks see different 'latest' tags ({listed}). The "
+            "save dir is not shared between nodes and the nodes' copies differ: copy the newest "
+            "checkpoint to every node, or pass tag= with one that every node has.")
+    return tags.pop()
+
+
+def _read_all(engine, folder: Path, states: dict, optimizer: bool) -> None:
+    if not folder.is_dir():
+        raise CheckpointError(_missing_tag_message(folder))
+    manifest = read_manifest(folder)
+    sharded = manifest["format"] == SHARDED
+    names = [MANIFEST, CLIENT_STATE]
+    names += [ENGINE_STATE, f"{SHARDED_DIR}/.metadata"] if sharded else model_state_files(manifest)
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{folder} lacks {', '.join(missing)}: on a node without a shared filesystem, the save "
+            "dir holds only what that node's ranks wrote; load on the same placement, or share it")
+    states["manifest"] = manifest
+    states["model"] = read(folder / ENGINE_STATE) if sharded else read_model_states(folder, manifest)
+    if sharded:
+        _read_shards(engine, folder / SHARDED_DIR, states, optimizer)
+    else:
+        states["shapes"] = {name: tuple(value.shape) for name, value in states["model"]["module"].items()}
+    states["client"] = read(folder / CLIENT_STATE)
+    rank_file = folder / f"rank{comm.get_rank()}.pt"
+    same_world = manifest.get("world_size") == comm.get_world_size()
+    if same_world and not rank_file.is_file():
+        saved_on = manifest.get("hosts", [])[comm.get_rank()] if manifest.get("hosts") else "?"
+        raise CheckpointError(
+            f"{rank_file} is missing (rank {comm.get_rank()} was saved on {saved_on}): the save dir "
+            "is not shared between nodes; load with the same ranks on the same hosts, or copy it")
+    states["rank"] = read(rank_file) if same_world else None
+
+
+def _read_shards(engine, folder: Path, states: dict, optimizer: bool) -> None:
+    """A sharded checkpoint: only its shapes for a sharded engine (which reads its own pieces
+    later), everything, whole, for an engine at stage 0-1."""
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
+    if engine.zero.shards_params:
+        states["shapes"] = checkpoint_sharded.saved_module_shapes(folder)
+        return
+    module, optimizer_tensors = checkpoint_sharded.read_full(folder, with_optimizer=optimizer)
+    states["model"]["module"] = module
+    states["model"]["optimizer"]["state_tensors"] = optimizer_tensors
+    states["shapes"] = {name: tuple(value.shape) for name, value in module.items()}
+
+
+def _missing_tag_message(folder: Path) -> str:
+    available = sorted(p.name for p in folder.parent.glob("*") if (p / MANIFEST).is_file())
+    listed = ", ".join(available) if available else "none"
+    return (f"checkpoint tag '{folder.name}' not found in {folder.parent} (complete tags there: "
+            f"{listed}); if other ranks found it, the save dir is not shared between nodes")
+
+
+def _check_fits(engine, states: dict, folder: Path, strict: bool) -> None:
+    sharded = states["manifest"]["format"] == SHARDED
+    path = folder / (SHARDED_DIR if sharded else "model_states.*")
+    expected = {name: tuple(value.shape) for name, value in engine.module.state_dict().items()}
+    saved = states["shapes"]
+    differ = [f"{name}: saved {shape}, model {expected[name]}"
+              for name, shape in saved.items() if name in expected and shape != expected[name]]
+    if differ:
+        raise CheckpointError(f"{path} does not fit this model: " + "; ".join(differ[:5]))
+    if strict:
+        missing = sorted(set(expected) - set(saved))
+        unexpected = sorted(set(saved) - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{path} does not fit this model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]} (load_module_strict=False loads the keys that match)")
+
+
+def _prepare_optimizer_state(engine, states: dict, folder: Path) -> None:
+    """states["optimizer"]: the saved optimizer state in the form this engine loads. Between stages
+    0-1 (by index) and 2-3 (by parameter name) it is converted by parameter name."""
+    saved, manifest = states["model"], states["manifest"]
+    by_name = manifest["format"] == SHARDED
+    if engine.zero.shards_params == by_name:
+        states["optimizer"] = saved["optimizer"]
+        return
+    if by_name:  # a sharded checkpoint into a stage 0-1 engine
+        whole = {"state": merge_by_name(saved["optimizer"]["state_tensors"], saved["optimizer"]["state_other"]),
+                 "param_groups": saved["optimizer"]["param_groups"]}
+        states["optimizer"] = _by_index(whole, folder, manifest, engine)
+    else:  # a stage 0-1 checkpoint into a sharded engine
+        states["optimizer"] = _by_name(saved["optimizer"], saved.get("optimizer_param_names"),
+                                       folder, manifest, engine)
+    log_rank0("%s was saved at ZeRO stage %d; loading it at stage %d: optimizer state matched by "
+              "parameter name", folder, manifest["zero_stage"], engine.zero.stage)
+
+
+def _cross_stage_error(folder: Path, manifest: dict, engine, reason: str) -> CheckpointError:
+    saved_stage, stage = manifest["zero_stage"], engine.zero.stage
+    return CheckpointError(
+        f"{folder} was saved at ZeRO stage {saved_stage} and this engine runs stage {stage}, but "
+        f"the optimizer state cannot be matched by parameter name: {reason}. Load it at stage "
+        f"{saved_stage}, or take the weights only: load_checkpoint(..., load_optimizer_states=False), "
+        "or `crew export` it and load the file with model.load_state_dict.")
+
+
+def _by_name(state: dict, names: list[str] | None, folder: Path, manifest: dict, engine) -> dict:
+    """An optimizer state dict by index (stages 0-1) -> by parameter name."""
+    if names is None:
+        raise _cross_stage_error(folder, manifest, engine, "the checkpoint has no parameter names "
+                                 "(saved by an older crew, or an optimizer over tensors outside the model)")
+    return {"state": {names[index]: value for index, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _by_index(state: dict, folder: Path, manifest: dict, engine) -> dict:
+    """An optimizer state dict by parameter name -> by index, for this engine's optimizer, whose
+    param groups must hold the same parameters in the same order (load_state_dict matches by
+    position)."""
+    mine = groups_by_name(engine)
+    if mine is None:
+        raise _cross_stage_error(folder, manifest, engine, "this engine's optimizer steps tensors "
+                                 "that are not parameters of the model")
+    groups = [group["params"] for group in mine]
+    saved_groups = [group["params"] for group in state["param_groups"]]
+    if saved_groups != groups:
+        raise _cross_stage_error(folder, manifest, engine, f"the saved param groups {saved_groups} "
+                                 f"differ from this optimizer's {groups}")
+    index = {name: i for i, name in enumerate(name for group in groups for name in group)}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+@torch.no_grad()
+def _load_weights(engine, states: dict, folder: Path, strict: bool, optimizer: bool,
+                  module_only: bool) -> None:
+    """Module, precision and (when `optimizer`) optimizer state; a collective at stages 2-3."""
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
+    saved = states["model"]
+    optimizer_state = states["optimizer"] if optimizer else None
+    if engine.zero.shards_params:
+        if states["manifest"]["format"] == SHARDED:
+            checkpoint_sharded.load(engine.module, engine.optimizer, folder / SHARDED_DIR, strict,
+                                    optimizer_state)
+        else:
+            checkpoint_sharded.load_full(engine.module, engine.optimizer, saved["module"],
+                                         optimizer_state, strict)
+    else:
+        engine.module.load_state_dict(saved["module"], strict=strict)
+    if not module_only:
+        engine.precision.load_state_dict(saved["precision"])
+    if engine.zero.shards_params:
+        return  # the sharded fp32 parameters are the master weights
+    for name, param in engine.module.named_parameters():
+        if name in saved["module"]:
+            engine.precision.master_of(param).copy_(saved["module"][name])
+    if optimizer_state is not None:
+        engine.optimizer.load_state_dict(optimizer_state)
+
+
+def _load_the_rest(engine, states: dict, scheduler: bool, module_only: bool) -> None:
+    saved = states["model"]
+    if scheduler and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    if module_only:
+        return
+    engine.global_steps = saved["global_steps"]
+    engine.global_samples = saved["global_samples"]
+    engine.micro_steps = saved["micro_steps"]
+    if engine.balancer is not None:  # before the loader's position: that is counted in micro steps
+        engine.balancer.restore(saved.get("micro_batch_sizes"))
+    if states["rank"] is None:
+        log_rank0("checkpoint was saved on %d ranks, this run has %d: model, optimizer and "
+                  "scheduler are loaded; per-rank RNG and data positions start fresh",
+                  saved["world_size"], comm.get_world_size())
+        return
+    _restore_rank_state(engine, states["rank"])
+
+
+def _restore_rank_state(engine, state: dict) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    random.setstate(_as_tuples(state["python_rng"]))
+    kind, keys, *rest = state["numpy_rng"]
+    numpy.random.set_state((kind, keys.numpy(), *rest))
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is not None and state["dataloader"] is not None:
+        loader.load_state_dict(state["dataloader"])
+
+
+def _as_tuples(value):
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

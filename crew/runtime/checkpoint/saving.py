@@ -1,0 +1,256 @@
+"""save: every rank writes its files into a staging folder, then one rank commits the tag (manifest,
+rename into place, `latest`, keep_last)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import socket
+from pathlib import Path
+
+import numpy
+import torch
+
+from crew import __version__
+from crew.log import log_rank0, warn_once
+from crew.runtime import comm
+from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere
+from crew.runtime.checkpoint.layout import (
+    CLIENT_STATE,
+    ENGINE_STATE,
+    MANIFEST,
+    MODEL_STATES,
+    REPLICATED,
+    SHARDED,
+    SHARDED_DIR,
+    CheckpointError,
+    fsync_dir,
+    read_latest,
+    swap_into_place,
+    write_atomic,
+)
+from crew.runtime.checkpoint.state import fp32_module_state, groups_by_name, optimizer_param_names, split_state
+
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
+
+
+def default_tag(engine) -> str:
+    return f"global_step{engine.global_steps}"
+
+
+def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
+         client_state: dict | None = None, save_latest: bool = True) -> bool:
+    save_dir = Path(save_dir).absolute()
+    tag = str(tag) if tag is not None else default_tag(engine)
+    if engine.micro_steps % engine.gradient_accumulation_steps():
+        warn_once("save_checkpoint in the middle of gradient accumulation: the gradients of the "
+                  "micro steps since the last optimizer step are not saved, so a resume repeats "
+                  "them. Save right after the engine.step() that ends an accumulation.")
+    agree(_tag_problem(tag), "save_checkpoint")
+    agree(same_everywhere(tag, "tag"), "save_checkpoint")
+    token = _broadcast_token()
+    staging = save_dir / f".{tag}.partial-{token}"
+    shared = _detect_shared(save_dir, staging, token)
+    what = f"save_checkpoint({save_dir}, tag={tag})"
+    sharded = engine.zero.shards_params
+    if sharded and not shared:
+        shutil.rmtree(staging, ignore_errors=True)  # each node's own, holding only the marker
+        raise CheckpointError(
+            f"{what}: ZeRO stage 2/3 checkpoints are written as one sharded checkpoint; save_dir "
+            f"must be on a filesystem every node shares, and {save_dir} is not (each node sees "
+            "only its own files there). Point save_dir at a shared filesystem (NFS, Lustre, ...).")
+    part, parts = _my_part(shared, split=engine.zero.stage == 0)
+    optimizer_state = None if sharded else _whole_optimizer_state(engine, writer=part is not None)
+    agree(attempt(_write_files, engine, staging, client_state or {}, part, parts, optimizer_state),
+          what)
+    if sharded:
+        agree(attempt(_write_shards, engine, staging), what)
+    hosts = _placement()  # a collective: every rank, before only the writers go on
+    comm.barrier()  # every rank's files are on disk before any tag appears
+    problem = None
+    if part == 0:  # the rank that wrote the shared files commits
+        problem = attempt(_commit, engine, staging, save_dir, tag, save_latest, hosts,
+                          None if sharded else parts)
+    agree(problem, what)
+    log_rank0("saved checkpoint %s", save_dir / tag)
+    return True
+
+
+def _tag_problem(tag: str) -> str | None:
+    if _TAG.fullmatch(tag):
+        return None
+    return (f"tag '{tag}' is not a valid folder name: use letters, digits and '_.+=-', not starting "
+            "with '.' or '-' (the default is global_step<N>)")
+
+
+def _broadcast_token() -> str:
+    token = [secrets.token_hex(4)]
+    if comm.get_world_size() > 1 and torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _detect_shared(save_dir: Path, staging: Path, token: str) -> bool:
+    """Whether every rank sees rank 0's files in save_dir (one filesystem) or only its own."""
+    marker = staging / f".shared-{token}"
+    if comm.get_rank() == 0:
+        agree(attempt(lambda: (staging.mkdir(parents=True), marker.touch())), "save_checkpoint")
+    else:
+        agree(None, "save_checkpoint")
+    shared = marker.exists()
+    if not shared:
+        staging.mkdir(parents=True, exist_ok=True)
+    return all(all_gather(shared))
+
+
+def _my_part(shared: bool, split: bool) -> tuple[int | None, int]:
+    """Which part of the shared files this rank writes (None: only its own rank file). On one
+    filesystem all ranks share the work when `split` (stage 0), else rank 0 writes them; without
+    one, each node's ranks write the node's own full copy (in parts, or its first rank alone)."""
+    if shared:
+        if split:
+            return comm.get_rank(), comm.get_world_size()
+        return (0 if comm.get_rank() == 0 else None), 1
+    parts = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if split else 1
+    local = comm.get_local_rank()
+    return (local if local < parts else None), parts
+
+
+def _whole_optimizer_state(engine, writer: bool) -> dict | None:
+    """The optimizer's state dict on the ranks that write it. ZeroRedundancyOptimizer (stage 1)
+    holds 1/N of it on each rank: it is consolidated on each writer in turn (a collective)."""
+    optimizer = engine.optimizer
+    if not hasattr(optimizer, "consolidate_state_dict"):
+        return optimizer.state_dict() if writer else None
+    state = None
+    for rank in all_gather(comm.get_rank() if writer else None):
+        if rank is None:
+            continue
+        optimizer.consolidate_state_dict(to=rank)
+        if rank == comm.get_rank():
+            state = optimizer.state_dict()
+            optimizer._all_state_dicts = []  # else the whole state stays on this rank after the save
+    return state
+
+
+def _write_files(engine, staging: Path, client_state: dict, part: int | None, parts: int,
+                 optimizer_state: dict | None) -> None:
+    """client_state, this rank's part of the replicated state (stages 0-1), its rank file."""
+    if part == 0:
+        write_atomic(staging / CLIENT_STATE, data=_client_state_bytes(client_state))
+    if part is not None and not engine.zero.shards_params:
+        shard = split_state(_engine_state(engine, optimizer_state), parts)[part]
+        write_atomic(staging / MODEL_STATES.format(part=part, parts=parts), obj=shard)
+    write_atomic(staging / f"rank{comm.get_rank()}.pt", obj=_rank_state(engine))
+
+
+def _write_shards(engine, staging: Path) -> None:
+    """Stages 2-3: every rank its shards (a collective), then rank 0 the replicated rest."""
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
+    optimizer_other = checkpoint_sharded.save(engine.module, engine.optimizer, staging / SHARDED_DIR)
+    if comm.get_rank() == 0:
+        groups = groups_by_name(engine)
+        if groups is None:
+            raise CheckpointError("the optimizer steps tensors that are not parameters of the model; a "
+                                  "ZeRO stage 2/3 checkpoint stores optimizer state by parameter name")
+        rest = _common_state(engine)
+        rest["optimizer"] = {"param_groups": groups, "state_other": optimizer_other}
+        write_atomic(staging / ENGINE_STATE, obj=rest)
+
+
+def _client_state_bytes(client_state: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(client_state, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"client_state cannot be loaded safely ({str(exc).splitlines()[0][:200]}). Keep it to "
+            "tensors, numbers, strings, lists, tuples and dicts.") from None
+    return buffer.getvalue()
+
+
+def _engine_state(engine, optimizer_state: dict) -> dict:
+    """Stages 0-1: everything but the rank files, whole."""
+    return {
+        "module": fp32_module_state(engine),
+        "optimizer": optimizer_state,
+        "optimizer_param_names": optimizer_param_names(engine),  # to load it at stages 2-3
+        **_common_state(engine),
+    }
+
+
+def _common_state(engine) -> dict:
+    precision_state = engine.precision.state_dict()
+    precision_state.pop("master_params", None)  # the fp32 module carries them, once
+    return {
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        "precision": precision_state,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "micro_batch_sizes": engine.balancer.sizes if engine.balancer else None,
+        "world_size": engine.world_size,
+        "zero_stage": engine.zero.stage,
+        "config": engine.config.raw,
+        "crew_version": __version__,
+    }
+
+
+def _rank_state(engine) -> dict:
+    np_state = numpy.random.get_state()
+    loader = getattr(engine, "training_dataloader", None)
+    return {
+        "rank": comm.get_rank(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python_rng": random.getstate(),
+        "numpy_rng": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "dataloader": loader.state_dict() if loader is not None else None,
+    }
+
+
+def _commit(engine, staging: Path, save_dir: Path, tag: str, save_latest: bool,
+            hosts: list[str], parts: int | None) -> None:
+    """Manifest, rename into place, `latest`, keep_last. `parts`: None for a sharded checkpoint."""
+    manifest = {"tag": tag, "world_size": engine.world_size, "global_steps": engine.global_steps,
+                "crew_version": __version__, "hosts": hosts, "zero_stage": engine.zero.stage,
+                "format": SHARDED if parts is None else REPLICATED}
+    if parts is not None:
+        manifest["model_states_parts"] = parts
+    write_atomic(staging / MANIFEST, data=json.dumps(manifest, indent=1).encode())
+    for marker in staging.glob(".shared-*"):
+        marker.unlink()
+    if (staging / SHARDED_DIR).is_dir():
+        fsync_dir(staging / SHARDED_DIR)
+    fsync_dir(staging)
+    swap_into_place(staging, save_dir / tag)
+    fsync_dir(save_dir)
+    if save_latest:
+        write_atomic(save_dir / "latest", data=tag.encode())
+        fsync_dir(save_dir)
+    _remove_stale(save_dir, tag, engine.config.checkpoint.keep_last)
+
+
+def _placement() -> list[str]:
+    return all_gather(os.environ.get("CREW_HOST") or socket.gethostname())
+
+
+def _remove_stale(save_dir: Path, current: str, keep_last: int | None) -> None:
+    """Leftovers of interrupted saves, and complete tags beyond `keep_last` (never `latest`'s)."""
+    for leftover in save_dir.glob(".*.partial-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep_last is None:
+        return
+    latest = read_latest(save_dir)
+    tags = sorted((p for p in save_dir.iterdir() if (p / MANIFEST).is_file()),
+                  key=lambda p: (p / MANIFEST).stat().st_mtime)
+    for old in tags[:-keep_last]:
+        if old.name not in (current, latest):
+            shutil.rmtree(old, ignore_errors=True)
+            log_rank0("keep_last %d: removed checkpoint %s", keep_last, old)
