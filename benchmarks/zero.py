@@ -22,7 +22,7 @@ views were first seen as temporaries, and are labelled gradients from then on). 
 * model state: parameters + gradients + optimizer state at the snapshot where their sum is largest
   (the step's high-water mark: at stage 2 the whole parameters gathered for forward and backward
   count, at stage 3 the units gathered at that moment), split into its parts, per parameter, and
-  the theory (fp32 Adam, N ranks, crew.estimate: 16 B/param at stage 0, 4+4+8/N at stage 1, 4+12/N
+  the theory (fp32 Adam, N ranks, crew.runtime.estimate: 16 B/param at stage 0, 4+4+8/N at stage 1, 4+12/N
   at stage 2, 16/N at stage 3);
 * tracked after: the same sum right after the optimizer step (persistent state plus gradients);
   tracked peak: every tracked byte at the peak (activations, temporaries, communication buffers too);
@@ -407,7 +407,7 @@ def time_table(modes: list[str], runs: dict[str, list[list[dict]]], failures: di
 LEGEND = """\
 model state = parameters + gradients + optimizer state held by the rank, in the tracker snapshot (an FSDP unit or
   module boundary, or right after optimizer.step) where their sum is largest; B/par = total / parameter count;
-  theory = fp32 Adam on 2 ranks (crew.estimate: 16, 4+4+8/N, 4+12/N, 16/N bytes per parameter);
+  theory = fp32 Adam on 2 ranks (crew.runtime.estimate: 16, 4+4+8/N, 4+12/N, 16/N bytes per parameter);
   tracked after = the same sum right after optimizer.step (gradients still held); tracked peak = every byte the
   tracker saw at its peak (activations, temporaries, communication buffers included);
   peak RSS = ru_maxrss after set-up (imports, model, wrapping) and at the end of the job"""

@@ -1,4 +1,5 @@
-"""`crew run|plan`: parse the launch options, build the plan, hand it to a runner.
+"""The `crew` command: parse the options and hand off, to the launcher (run, plan, doctor, sync) or
+to the runtime's offline tools (export, estimate).
 
 Every launch option accepts DeepSpeed's spelling (`--num_gpus`) and the dashed one (`--num-gpus`),
 and takes its default from a `CREW_<NAME>` environment variable when set (e.g. CREW_HOSTFILE).
