@@ -22,12 +22,14 @@ class _CurrentStdout(logging.StreamHandler):
 
 
 logger = logging.getLogger("crew")
-if not logger.handlers:
+# A handler or level the application set on "crew" before importing crew stays; crew's own is added once.
+if not any(isinstance(handler, _CurrentStdout) for handler in logger.handlers):
     _handler = _CurrentStdout()
     _handler.setFormatter(logging.Formatter("[crew] %(message)s"))
     logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
     logger.propagate = False
+if logger.level == logging.NOTSET:
+    logger.setLevel(logging.INFO)
 
 
 def _rank() -> int:

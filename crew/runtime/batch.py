@@ -54,7 +54,8 @@ def resolve_batch_sizes(train_batch_size: int | None, micro_batch: int | None, g
     if micro_batch is None:
         steps = 1 if grad_accum is None else grad_accum
         _require_multiple(train_batch_size, steps * world_size, "train_micro_batch_size_per_gpu",
-                          f"grad accum {steps}{'' if grad_accum else ' (default)'} x world size {world_size}",
+                          f"gradient_accumulation_steps {steps}{'' if grad_accum else ' (default)'} x "
+                          f"world size {world_size}",
                           source)
         return train_batch_size, train_batch_size // (steps * world_size), steps
     if train_batch_size is None:
@@ -62,7 +63,7 @@ def resolve_batch_sizes(train_batch_size: int | None, micro_batch: int | None, g
         return micro_batch * steps * world_size, micro_batch, steps
     if grad_accum is None:
         _require_multiple(train_batch_size, micro_batch * world_size, "gradient_accumulation_steps",
-                          f"micro batch {micro_batch} x world size {world_size}", source)
+                          f"train_micro_batch_size_per_gpu {micro_batch} x world size {world_size}", source)
         return train_batch_size, micro_batch, train_batch_size // (micro_batch * world_size)
     if train_batch_size != micro_batch * grad_accum * world_size:
         raise _mismatch(train_batch_size, micro_batch, grad_accum, world_size, source)
@@ -95,15 +96,21 @@ def _require_multiple(total: int, unit: int, derived: str, unit_text: str, sourc
 
 
 def _mismatch(total: int, micro: int, steps: int, world_size: int, source: str) -> BatchSizeError:
+    """Names each key of the triple, and each single change that makes them agree."""
     product = micro * steps * world_size
     suggestions: list[dict[str, int | None]] = [{"train_batch_size": product}, {"train_batch_size": None}]
-    keep = ""
+    keep = []
     if total % (micro * world_size) == 0:
-        keep = (f" Or keep {total} and set gradient_accumulation_steps to {total // (micro * world_size)}.")
+        keep.append(f"gradient_accumulation_steps to {total // (micro * world_size)}")
         suggestions.append({"gradient_accumulation_steps": total // (micro * world_size)})
+    if total % (steps * world_size) == 0:
+        keep.append(f"train_micro_batch_size_per_gpu to {total // (steps * world_size)}")
+        suggestions.append({"train_micro_batch_size_per_gpu": total // (steps * world_size)})
+    keep_text = f" Or keep {total} and set {' or '.join(keep)}." if keep else ""
     return BatchSizeError(
-        f"{source}: train_batch_size {total} != micro batch {micro} x grad accum {steps} x world size "
-        f"{world_size} = {product}. Set it to {product} or remove it and crew will derive it.{keep}",
+        f"{source}: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
+        f"gradient_accumulation_steps {steps} x world size {world_size} = {product}. Set train_batch_size "
+        f"to {product} or remove it and crew will derive it.{keep_text}",
         suggestions)
 
 

@@ -79,11 +79,14 @@ class BF16Config(BaseModel):
 
 
 class CheckpointConfig(BaseModel):
-    """DeepSpeed's `checkpoint` section plus crew's own `keep_last`."""
+    """DeepSpeed's `checkpoint` section plus crew's own `keep_last` and `resume_data_position`."""
 
     model_config = _SECTION
     keep_last: int | None = Field(None, ge=1, description="crew: keep only the newest N checkpoints "
                                   "in save_dir (older tag folders are deleted after a save); None keeps all.")
+    resume_data_position: bool = Field(False, description="crew: load_checkpoint also puts the loader "
+                                       "initialize() returned where it stopped. Off, as in DeepSpeed: the "
+                                       "script skips the batches it consumed itself.")
 
 
 class ZeroConfig(BaseModel):
@@ -137,7 +140,7 @@ class Config(BaseModel):
         product = (self.train_micro_batch_size_per_gpu or 0) * self.gradient_accumulation_steps * self.world_size
         if self.train_batch_size != product:
             raise ValueError(f"train_batch_size {self.train_batch_size} != {product} "
-                             "(micro batch x grad accum x world size)")
+                             "(train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size)")
         return self
 
     @classmethod

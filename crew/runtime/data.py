@@ -180,6 +180,7 @@ class DataLoader:
         self._pending: tuple[int, int] | None = (0, 0)      # where the next iter() starts
         self._batches: Iterator | None = None
         self._base_seed: int | None = None  # what this epoch's iterator drew from the global RNG
+        self._replay_seed = False  # the next iter() replays a loaded epoch: reuse its seed, draw none
 
     def __len__(self) -> int:
         if isinstance(self.data_sampler, _ShareSampler):
@@ -209,8 +210,9 @@ class DataLoader:
         # torch's iterator draws one number from the global RNG per epoch (DeepSpeed's loader too).
         # Draw it here, once per epoch, and keep it: a mid-epoch resume reuses it instead of drawing
         # again, so the global RNG stream (dropout, ...) stays identical to an uninterrupted run.
-        if skip == 0 or self._base_seed is None:
+        if (skip == 0 and not self._replay_seed) or self._base_seed is None:
             self._base_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        self._replay_seed = False
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_size=self.batch_size, sampler=indices, collate_fn=self.collate_fn,
             drop_last=self.dataloader_drop_last, num_workers=self.num_local_io_workers,
@@ -265,6 +267,15 @@ class DataLoader:
             epoch, consumed = epoch + 1, 0
         self._resume_at(epoch, consumed)
         self._base_seed = state.get("base_seed")
+
+    def restart_epoch(self, state: dict) -> None:
+        """DeepSpeed's resume: the next `iter()` replays the epoch `state` was saved in from its first
+        batch, for the script to skip what it consumed itself, and draws nothing new from the global
+        RNG (the uninterrupted loader drew that epoch's number before its first batch). A state saved
+        at the end of an epoch starts the next one."""
+        finished = state.get("batches_consumed", 0) >= len(self)
+        self.load_state_dict(state if finished else {**state, "batches_consumed": 0})
+        self._replay_seed = not finished
 
     def skip_to_step(self, micro_steps: int) -> None:
         """Make the next `iter()` start after `micro_steps` micro batches counted from epoch 0."""

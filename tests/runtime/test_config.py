@@ -97,16 +97,18 @@ def test_batch_resolution_matches_deepspeed_on_a_grid():
 
 # (given, world size, fragments the message must contain, suggestions)
 BATCH_ERRORS = [
-    ({TB: 32, MB: 4, GAS: 2}, 8, ["train_batch_size 32", "world size 8", "= 64", "Set it to 64",
-                                  "gradient_accumulation_steps to 1"],
-     [{TB: 64}, {TB: None}, {GAS: 1}]),
-    ({TB: 48, MB: 4, GAS: 2}, 8, ["train_batch_size 48", "world size 8", "Set it to 64"], [{TB: 64}, {TB: None}]),
+    ({TB: 32, MB: 4, GAS: 2}, 8, ["train_batch_size 32", "world size 8", "= 64", "Set train_batch_size to 64",
+                                  "gradient_accumulation_steps to 1", "train_micro_batch_size_per_gpu to 2"],
+     [{TB: 64}, {TB: None}, {GAS: 1}, {MB: 2}]),
+    ({TB: 48, MB: 4, GAS: 2}, 8, ["train_batch_size 48", "world size 8", "Set train_batch_size to 64",
+                                  "train_micro_batch_size_per_gpu to 3"], [{TB: 64}, {TB: None}, {MB: 3}]),
+    ({TB: 30, MB: 4, GAS: 2}, 2, ["train_batch_size 30", "Set train_batch_size to 16"], [{TB: 16}, {TB: None}]),
     ({TB: 30}, 4, ["train_batch_size 30", "world size 4", "28 or 32", MB], [{TB: 28}, {TB: 32}]),
     ({TB: 2}, 8, ["train_batch_size 2", "world size 8", "to 8", MB], [{TB: 8}]),
-    ({TB: 30, MB: 4}, 4, ["train_batch_size 30", "micro batch 4", "world size 4", "16 or 32", GAS],
+    ({TB: 30, MB: 4}, 4, ["train_batch_size 30", "train_micro_batch_size_per_gpu 4", "world size 4", "16 or 32", GAS],
      [{TB: 16}, {TB: 32}]),
     ({TB: 8, MB: 4}, 4, ["train_batch_size 8", "world size 4", "to 16", GAS], [{TB: 16}]),
-    ({TB: 30, GAS: 4}, 2, ["train_batch_size 30", "grad accum 4", "world size 2", "24 or 32", MB],
+    ({TB: 30, GAS: 4}, 2, ["train_batch_size 30", "gradient_accumulation_steps 4", "world size 2", "24 or 32", MB],
      [{TB: 24}, {TB: 32}]),
     ({}, 2, [TB, MB, "world size 2", '"train_micro_batch_size_per_gpu": 1'], [{MB: 1}]),
     ({GAS: 4}, 8, [TB, MB, "gradient_accumulation_steps 4", "train_batch_size 32 at world size 8"], [{MB: 1}]),
@@ -142,8 +144,9 @@ def test_mismatch_message_is_the_style_guide_sentence():
     with pytest.raises(BatchSizeError) as caught:
         Config.from_dict({TB: 32, MB: 4, GAS: 2}, world_size=8, source="ds.json")
     assert str(caught.value).startswith(
-        "ds.json: train_batch_size 32 != micro batch 4 x grad accum 2 x world size 8 = 64. "
-        "Set it to 64 or remove it and crew will derive it.")
+        "ds.json: train_batch_size 32 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x "
+        "world size 8 = 64. Set train_batch_size to 64 or remove it and crew will derive it. Or keep 32 and set "
+        "gradient_accumulation_steps to 1 or train_micro_batch_size_per_gpu to 2.")
 
 
 @pytest.mark.parametrize("given, world_size, expected", [

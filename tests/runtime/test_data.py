@@ -178,6 +178,22 @@ def test_resume_matches_uninterrupted_and_never_reads_skipped(world_size, rank, 
         assert sum(data.reads.values()) == sum(len(b) for b in resumed)
 
 
+@pytest.mark.parametrize("world_size,rank", [(1, 0), (2, 1)])
+def test_restart_epoch_replays_the_saved_epoch_without_drawing_from_the_rng(world_size, rank):
+    batches = len(loader(world_size, rank))
+    full = run(loader(world_size, rank), 3)
+    for k in range(1, 2 * batches + 1):
+        first = loader(world_size, rank)
+        consume(first, k)
+        state, rng = first.state_dict(), torch.get_rng_state()
+        second = loader(world_size, rank)
+        second.restart_epoch(state)
+        epoch = (k - 1) // batches
+        finished = k % batches == 0
+        assert ids(second) == full[epoch + finished]  # the saved epoch, whole; or, finished, the next
+        assert torch.equal(torch.get_rng_state(), rng) != finished  # a new epoch draws its number
+
+
 def test_state_dict_roundtrip_before_iterating():
     dl = loader(2, 0)
     assert position(dl.state_dict()) == {"epoch": 0, "batches_consumed": 0}

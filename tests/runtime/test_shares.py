@@ -340,7 +340,7 @@ def train_save_resume(rank: int, folder: str, steps: int) -> dict:
     import crew
 
     delay = [[1.0, 3.0][rank]]
-    config = ds_config("auto", optimizer="SGD", train_batch_size=16)
+    config = ds_config("auto", optimizer="SGD", train_batch_size=16, checkpoint={"resume_data_position": True})
 
     def start():
         model = Delayed(delay)

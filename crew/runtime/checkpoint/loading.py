@@ -49,7 +49,18 @@ def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_sta
                   load_module_only), what)
     _load_the_rest(engine, states, load_lr_scheduler_states and not load_module_only, load_module_only)
     log_rank0("loaded checkpoint %s (global step %d)", folder, engine.global_steps)
+    if getattr(engine, "training_dataloader", None) is not None and states["rank"] is not None \
+            and not load_module_only:
+        log_rank0(_data_position_line(engine.config.checkpoint.resume_data_position))
     return str(folder), states["client"]
+
+
+def _data_position_line(resume: bool) -> str:
+    if resume:
+        return ("data loader: resumes where the checkpoint stopped (checkpoint.resume_data_position); "
+                "a script that skips the batches it consumed must not also do so now")
+    return ("data loader: starts its epoch from the beginning, as DeepSpeed's does, for the script to skip "
+            "what it consumed; \"checkpoint\": {\"resume_data_position\": true} makes crew resume it instead")
 
 
 def _agreed_latest(load_dir: Path) -> str | None:
@@ -244,7 +255,10 @@ def _restore_rank_state(engine, state: dict) -> None:
     numpy.random.set_state((kind, keys.numpy(), *rest))
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and state["dataloader"] is not None:
-        loader.load_state_dict(state["dataloader"])
+        if engine.config.checkpoint.resume_data_position:
+            loader.load_state_dict(state["dataloader"])
+        else:
+            loader.restart_epoch(state["dataloader"])
 
 
 def _as_tuples(value):

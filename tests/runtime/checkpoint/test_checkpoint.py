@@ -61,10 +61,11 @@ def session(rank: int, config: dict, folder: str, start: str, until_step: int) -
             "params": {k: v.clone() for k, v in engine.module.state_dict().items()}}
 
 
+EXACT_DATA = {"resume_data_position": True}  # crew's loader resumes itself (DeepSpeed's default: no)
 CONFIGS = {
-    "accumulation": ds_config(accumulation=2),
-    "no-accumulation": ds_config(accumulation=1),
-    "bf16": ds_config(accumulation=2, bf16={"enabled": True}),
+    "accumulation": ds_config(accumulation=2, checkpoint=EXACT_DATA),
+    "no-accumulation": ds_config(accumulation=1, checkpoint=EXACT_DATA),
+    "bf16": ds_config(accumulation=2, bf16={"enabled": True}, checkpoint=EXACT_DATA),
 }
 
 
@@ -79,6 +80,53 @@ def test_resume_is_exact_on_two_ranks(tmp_path, name):
         for key, value in whole[rank]["params"].items():
             assert torch.equal(second[rank]["params"][key], value), f"{key} differs after resume"
         assert second[rank]["client"] == {"losses_so_far": len(first[rank]["losses"])}
+
+
+def deepspeed_style_session(rank: int, config: dict, folder: str, start: str, until_step: int) -> dict:
+    """A DeepSpeed script's resume: it keeps its own count in client_state and skips the batches it
+    consumed, as DeepSpeed's docs tell it to (DeepSpeed's loader has no position of its own)."""
+    import logging
+
+    import crew
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("crew").addHandler(handler)
+    engine, _, loader, _ = crew.initialize(model=make_model(), training_data=dataset(), config=config)
+    consumed = engine.load_checkpoint(folder)[1]["consumed"] if start == "resume" else 0
+    losses = []
+    for index, (inputs, targets) in enumerate(loader):
+        if index < consumed:
+            continue
+        loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if engine.global_steps == until_step:
+            break
+    if start == "fresh":
+        engine.save_checkpoint(folder, client_state={"consumed": index + 1})
+    return {"losses": losses, "said": [line for line in said if line.startswith("data loader:")]}
+
+
+def test_a_deepspeed_script_that_skips_consumed_batches_resumes_exactly_by_default(tmp_path):
+    # 56 samples, 2 ranks x micro 4: 7 steps an epoch; the split at step 3, the end at 6, one epoch
+    config, folder = ds_config(accumulation=1), str(tmp_path / "split")
+    whole = run_ranks(deepspeed_style_session, 2, config, str(tmp_path / "whole"), "fresh", 6)
+    first = run_ranks(deepspeed_style_session, 2, config, folder, "fresh", 3)
+    second = run_ranks(deepspeed_style_session, 2, config, folder, "resume", 6)
+    crews_own = run_ranks(deepspeed_style_session, 2, ds_config(accumulation=1, checkpoint=EXACT_DATA),
+                          folder, "resume", 6)
+    assert first[0]["losses"] + second[0]["losses"] == whole[0]["losses"]
+    assert "starts its epoch from the beginning, as DeepSpeed's does" in second[0]["said"][0]
+    assert '"resume_data_position": true' in second[0]["said"][0]
+    # crew's exact resume is opt-in because such a script would then skip the batches twice
+    assert first[0]["losses"] + crews_own[0]["losses"] != whole[0]["losses"]
+    assert crews_own[0]["said"] == [
+        "data loader: resumes where the checkpoint stopped (checkpoint.resume_data_position); a script "
+        "that skips the batches it consumed must not also do so now"]
+    assert second[1]["said"] == []  # rank 0 says it
 
 
 def single_engine(config: dict | None = None, model: torch.nn.Module | None = None):

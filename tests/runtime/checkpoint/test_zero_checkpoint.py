@@ -24,7 +24,8 @@ FP16 = {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2}  # th
 
 def zero_config(stage: int, precision: str = "fp32") -> dict:
     extra = {"fp16": FP16} if precision == "fp16" else {"bf16": {"enabled": True}} if precision == "bf16" else {}
-    return ds_config(accumulation=2, gradient_clipping=0.5, zero_optimization={"stage": stage}, **extra)
+    return ds_config(accumulation=2, gradient_clipping=0.5, zero_optimization={"stage": stage},
+                     checkpoint={"resume_data_position": True}, **extra)
 
 
 def build(config: dict):
