@@ -11,8 +11,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "__version__", "add_config_arguments", "comm", "init_distributed",
-           "initialize", "zero"]
+__all__ = ["ConfigError", "__version__", "accelerator", "add_config_arguments", "comm", "get_accelerator",
+           "init_distributed", "initialize", "zero"]
 
 _LAZY = {
     "initialize": ("crew.runtime.api", "initialize"),
@@ -21,6 +21,8 @@ _LAZY = {
     "comm": ("crew.runtime.comm", None),
     "zero": ("crew.runtime.zero", None),
     "ConfigError": ("crew.errors", "ConfigError"),
+    "accelerator": ("crew.deepspeed.accelerator", None),
+    "get_accelerator": ("crew.deepspeed.accelerator", "get_accelerator"),
 }
 
 

@@ -82,6 +82,8 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     _option(group, "--no_local_rank", action="store_true",
             help="do not pass --local_rank=N to the script (LOCAL_RANK is set either way)")
     _option(group, "--module", action="store_true", help="SCRIPT is a module: python -m SCRIPT")
+    _option(group, "--as_deepspeed", action="store_true",
+            help="the script's `import deepspeed` (and its submodules) means crew, on every rank")
     _option(group, "--no_python", action="store_true",
             help="SCRIPT is an executable: run it directly, not with python")
     _option(group, "--env", action="append", default=[], metavar="KEY=VALUE",
@@ -137,6 +139,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     for attempt in range(args.max_restarts + 1):
         job = job_spec(launch, args, restart_count=attempt)
         console.say(format_layout(launch, job.job_id))
+        if job.as_deepspeed:
+            console.say("--as_deepspeed: `import deepspeed` is crew on every rank")
         run = JobRun(job, agent_launches(launch, job, args), console, ports)
         code = run.run()
         if code == 0 or run.interrupted or attempt == args.max_restarts:

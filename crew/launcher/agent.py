@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
+import crew
 from crew.launcher import stacks
 from crew.launcher.joinwatch import JoinWatch
 from crew.launcher.proc import die_with_parent, signal_group
@@ -41,6 +42,7 @@ HEARTBEAT_S = 2.0
 STDERR_DRAIN_S = 1.0  # after a rank ends, how long to wait for the rest of its stderr
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _MAX_LINE = 1 << 20
+DEEPSPEED_SHIM = str(Path(crew.__file__).parent / "deepspeed" / "shim")
 
 
 def split_lines(buffer: bytes) -> tuple[list[bytes], bytes]:
@@ -78,6 +80,8 @@ def rank_env(job: JobSpec, node_rank: int, local_rank: int, base: dict[str, str]
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // len(node.ranks))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("PYTHONFAULTHANDLER", "1")  # SIGABRT prints every thread's stack: see Supervisor
+    if job.as_deepspeed:  # this node's crew answers `import deepspeed` (crew/deepspeed/alias.py)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [DEEPSPEED_SHIM, env.get("PYTHONPATH")]))
     return env
 
 

@@ -120,6 +120,7 @@ def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0) -
         master_addr=plan.master_addr, master_port=plan.master_port,
         program=(args.script or "<script>", *getattr(args, "script_args", [])),
         cwd=cwd, mode=mode, env=plan.env, local_rank_arg=not args.no_local_rank,
+        as_deepspeed=getattr(args, "as_deepspeed", False),
         log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
         restart_count=restart_count, init_timeout=getattr(args, "init_timeout", None) or 0.0)
 

@@ -50,6 +50,7 @@ class JobSpec:
     grace_s: float = 5.0
     restart_count: int = 0
     init_timeout: float = 600.0  # seconds for every rank to join the process group; 0: no limit
+    as_deepspeed: bool = False  # ranks get crew's `deepspeed` shim first on PYTHONPATH
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,28 @@
+"""DeepSpeed's names on crew's engine: what `import deepspeed` is under `crew run --as_deepspeed`.
+
+Each name is crew's own object (`deepspeed.comm` is crew.comm, `deepspeed.initialize` is
+crew.initialize). A DeepSpeed name crew does not provide raises an error that names the feature.
+"""
+
+from __future__ import annotations
+
+from crew import __version__ as _crew_version
+from crew.deepspeed import accelerator
+from crew.deepspeed.accelerator import get_accelerator
+from crew.deepspeed.errors import UnsupportedAttribute, unsupported
+from crew.errors import ConfigError, CrewError
+from crew.runtime import comm, zero
+from crew.runtime.api import add_config_arguments, initialize
+from crew.runtime.comm import init_distributed
+
+__version__ = f"{_crew_version}+crew"  # crew's version, marked: this is not DeepSpeed
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+__all__ = ["ConfigError", "CrewError", "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", "accelerator",
+           "add_config_arguments", "comm", "get_accelerator", "init_distributed", "initialize", "zero"]
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise UnsupportedAttribute(unsupported(name), name=name, obj=None)
