@@ -12,7 +12,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from crew.deepspeed.errors import UNSUPPORTED, UnsupportedModule, unsupported
+from crew.deepspeed.errors import UnsupportedModule, unsupported
 
 # deepspeed.X -> the crew module that answers it; anything else maps to crew.deepspeed.X when that exists.
 ALIASES = {
@@ -27,11 +27,9 @@ def crew_module_for(name: str) -> str:
     if name in ALIASES:
         return ALIASES[name]
     inner = name.removeprefix("deepspeed.")
-    if not any(part in UNSUPPORTED for part in inner.split(".")):
-        candidate = f"crew.deepspeed.{inner}"
-        parent = candidate.rpartition(".")[0]
-        if importlib.util.find_spec(parent) is not None and importlib.util.find_spec(candidate) is not None:
-            return candidate
+    candidate = f"crew.deepspeed.{inner}"
+    if importlib.util.find_spec(candidate.rpartition(".")[0]) and importlib.util.find_spec(candidate):
+        return candidate  # e.g. deepspeed.moe.utils, which scripts import even without MoE
     raise UnsupportedModule(unsupported(inner), name=name)
 
 
