@@ -112,3 +112,17 @@ def test_names_crew_does_not_provide_are_refused_by_feature(tmp_path):
     assert lines[3].startswith("UnsupportedModule deepspeed.no_such_thing is not supported by crew")
     assert lines[4] == "cpu cpu 0 True True True"
     assert set(ALIASES) == {"deepspeed", "deepspeed.comm", "deepspeed.zero"}
+
+
+def test_over_ssh_by_environment_variable_and_for_a_module(cluster, job_dir):
+    write_script(job_dir, "probe_ds.py", """
+        import os
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+        with open(f"seen{os.environ['RANK']}", "w") as out:
+            out.write(f"{deepspeed.__name__} {get_accelerator().device_name()}")
+    """)
+    run = crew("run", "--ssh_args", cluster.ssh_args, "-H", str(cluster.hostfile(slots=1)), "--module",
+               "probe_ds", cwd=job_dir, env={"CREW_AS_DEEPSPEED": "1"})
+    assert run.code == 0, run.err
+    assert [(job_dir / f"seen{rank}").read_text() for rank in range(2)] == ["crew.deepspeed cpu"] * 2
