@@ -7,9 +7,10 @@ crew.initialize). A DeepSpeed name crew does not provide raises an error that na
 from __future__ import annotations
 
 from crew import __version__ as _crew_version
-from crew.deepspeed import accelerator
+from crew.deepspeed import accelerator, checkpointing, ops
 from crew.deepspeed.accelerator import get_accelerator
 from crew.deepspeed.errors import UnsupportedAttribute, unsupported
+from crew.deepspeed.utils import log_dist, logger
 from crew.errors import ConfigError, CrewError
 from crew.runtime import comm, zero
 from crew.runtime.api import add_config_arguments, initialize
@@ -19,7 +20,8 @@ __version__ = f"{_crew_version}+crew"  # crew's version, marked: this is not Dee
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 __all__ = ["ConfigError", "CrewError", "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", "accelerator",
-           "add_config_arguments", "comm", "get_accelerator", "init_distributed", "initialize", "zero"]
+           "add_config_arguments", "checkpointing", "comm", "get_accelerator", "init_distributed", "initialize",
+           "log_dist", "logger", "ops", "zero"]
 
 
 def __getattr__(name: str):

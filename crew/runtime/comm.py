@@ -102,6 +102,26 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     return None
 
 
+def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group=None,
+                           async_op: bool = False):
+    if dist.is_initialized():
+        return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+    output_tensor.copy_(tensor.reshape(output_tensor.shape))
+    return None
+
+
+def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False):
+    if dist.is_initialized():
+        return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+    output_tensor.copy_(tensor.reshape(output_tensor.shape))
+    return None
+
+
+def get_world_group():
+    return dist.group.WORLD
+
+
 def destroy_process_group(group=None) -> None:
     if dist.is_initialized():
         dist.destroy_process_group(group)

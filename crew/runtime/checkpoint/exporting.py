@@ -56,7 +56,6 @@ def write_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
     """`crew export`: a save dir (its `latest`) or a tag folder -> one fp32 state dict file. A
     sharded checkpoint (stages 2-3) is consolidated here, in this one process."""
-    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
     folder = Path(checkpoint)
     if not (folder / MANIFEST).is_file():
         tag = read_latest(folder)
@@ -64,11 +63,16 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
             raise CheckpointError(f"{folder} is neither a checkpoint tag folder (no {MANIFEST}) "
                                   "nor a save dir with a 'latest' file")
         folder = folder / tag
+    write_state_dict(read_fp32_module(folder), Path(out))
+    return folder
+
+
+def read_fp32_module(folder: Path) -> dict[str, torch.Tensor]:
+    """A tag folder's whole module state, floating-point tensors in fp32, whatever its ZeRO stage."""
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
     manifest = read_manifest(folder)
     if manifest["format"] == SHARDED:
         module, _ = checkpoint_sharded.read_full(folder / SHARDED_DIR)
     else:
         module = read_model_states(folder, manifest)["module"]
-    write_state_dict({name: value.float() if value.is_floating_point() else value
-                      for name, value in module.items()}, Path(out))
-    return folder
+    return {name: value.float() if value.is_floating_point() else value for name, value in module.items()}

@@ -1,0 +1,5 @@
+"""`deepspeed.ops`: the Adam optimizers (`deepspeed.ops.adam`) on torch's own implementations."""
+
+from crew.deepspeed.ops import adam
+
+__all__ = ["adam"]

@@ -1,0 +1,1 @@
+"""`deepspeed.runtime`: what scripts import from it (`deepspeed.runtime.utils`)."""

@@ -1,0 +1,71 @@
+"""`deepspeed.utils`: the logger, log_dist, RepeatingLoader and the full fp32 value of a parameter or
+its gradient at any ZeRO stage (`safe_get_full_fp32_param`, `safe_get_full_grad`)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from crew.log import logger
+from crew.runtime import comm, registry
+from crew.runtime.data import RepeatingLoader
+
+__all__ = ["RepeatingLoader", "log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad"]
+
+
+def _dist_message(message: str, ranks) -> str | None:
+    """DeepSpeed's get_dist_msg: every rank logs before the process group exists; after, the ranks
+    listed (ranks[0] == -1: all of them), and none for ranks None or []."""
+    if not comm.is_initialized():
+        return f"[Rank -1] {message}"
+    rank = comm.get_rank()
+    if ranks and (ranks[0] == -1 or rank in ranks):
+        return f"[Rank {rank}] {message}"
+    return None
+
+
+def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
+    final = _dist_message(message, ranks)
+    if final is not None:
+        logger.log(level, final)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "device_mesh") and hasattr(tensor, "full_tensor")
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """Whole, fp32, detached; a sharded (stages 2-3) tensor is gathered: a collective."""
+    if _is_dtensor(tensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().float()
+
+
+def _engine_of(param: torch.Tensor):
+    """The live engine training `param`: the one holding an fp32 master for it, else its module's."""
+    engines = registry.live_engines()
+    with_master = (e for e in engines if e.precision.master_of(param) is not param)
+    owning = (e for e in engines if any(p is param for p in e.module.parameters()))
+    found = next(with_master, None)
+    return found if found is not None else next(owning, None)
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
+    """The whole fp32 value of `param` at any stage: the fp32 master copy when crew keeps one (fp16,
+    bf16 at stages 0-1), else the param; gathered from the shards at stages 2-3 (all ranks call)."""
+    engine = _engine_of(param)
+    return _full(engine.precision.master_of(param) if engine is not None else param)
+
+
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The whole fp32 gradient of `param` between backward and step (averaged over ranks on the
+    boundary micro step, unscaled under fp16); None when it has none. At stages 2-3 a collective."""
+    engine = _engine_of(param)
+    master = engine.precision.master_of(param) if engine is not None else param
+    grad = master.grad if master is not param and master.grad is not None else param.grad
+    if grad is None:
+        return None
+    full = _full(grad)
+    scale = engine.precision.loss_scale if engine is not None and grad is param.grad else 1.0
+    return full / scale if scale not in (None, 1.0) else full
