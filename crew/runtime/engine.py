@@ -24,6 +24,7 @@ import torch
 from crew.errors import ConfigError
 from crew.log import log_rank0
 from crew.runtime import balance, checkpoint, comm, registry, zero
+from crew.runtime.accessors import DeepSpeedAccessors
 from crew.runtime.config import Config
 from crew.runtime.optim import build_optimizer, build_scheduler
 from crew.runtime.precision import Precision, make_precision
@@ -39,11 +40,12 @@ def _release_process_group() -> None:
     comm.destroy_process_group()
 
 
-class Engine(torch.nn.Module):
+class Engine(DeepSpeedAccessors, torch.nn.Module):
     def __init__(self, model: torch.nn.Module, config: Config, optimizer=None,
                  model_parameters=None, lr_scheduler=None):
         super().__init__()
         self.config = config
+        self._init_accessors(optimizer)
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
@@ -56,8 +58,10 @@ class Engine(torch.nn.Module):
         self._ddp = self.zero.wrap_ddp(model)
         if self.balancer is not None:
             self.balancer.watch(self._ddp)
-        self.optimizer = self.zero.shard_optimizer(
-            self._optimizer(optimizer, model_parameters, replaced))
+        built = self._optimizer(optimizer, model_parameters, replaced)
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            self._client_optimizer_name = type(built).__name__
+        self.optimizer = self.zero.shard_optimizer(built)
         self.lr_scheduler = self._scheduler(lr_scheduler)
         self.global_steps = 0
         self.global_samples = 0
@@ -119,7 +123,7 @@ class Engine(torch.nn.Module):
             if self._ddp is None:
                 return self.module(*args, **kwargs)
             # DDP's no_sync, across two calls: arm the all-reduce only for the boundary's backward.
-            self._ddp.require_backward_grad_sync = self.is_gradient_accumulation_boundary()
+            self._ddp.require_backward_grad_sync = self._sync_this_backward()
             return self._ddp(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -137,6 +141,7 @@ class Engine(torch.nn.Module):
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
+        self._begin_step()
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
             if self.balancer is not None:
@@ -146,9 +151,7 @@ class Engine(torch.nn.Module):
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         overflow = self.precision.unscale_grads()
         if not overflow:
-            if self.config.gradient_clipping > 0:
-                params = _flat(self.optimizer.param_groups)
-                torch.nn.utils.clip_grad_norm_(params, self.config.gradient_clipping)
+            self._clip_and_record_norm(_flat(self.optimizer.param_groups))  # norm before clipping
             self.optimizer.step()
             self.precision.copy_master_to_model()
             if self.lr_scheduler is not None:
@@ -157,6 +160,8 @@ class Engine(torch.nn.Module):
                     # optimizer ZeroRedundancyOptimizer replaced, which never steps itself.
                     warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
                     self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self._record_skipped_step()
         self.precision.update_scale(overflow)
         self.zero_grad()
         self.global_steps += 1
@@ -179,10 +184,7 @@ class Engine(torch.nn.Module):
         log_rank0("step %d: loss %.4f (rank 0), lr [%s], %.1f samples/s%s", self.global_steps,
                   loss, lrs, (samples - before) / max(now - then, 1e-9), skipped)
 
-    # -- DeepSpeed's accessors ----------------------------------------------------------------
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+    # -- DeepSpeed's accessors (the rest: crew/runtime/accessors.py) ---------------------------
 
     def train_batch_size(self) -> int:
         return self.config.train_batch_size

@@ -13,5 +13,9 @@ def register(engine) -> None:
     _LIVE_ENGINES.add(engine)
 
 
+def unregister(engine) -> None:
+    _LIVE_ENGINES.discard(engine)
+
+
 def live_engines() -> list:
     return list(_LIVE_ENGINES)

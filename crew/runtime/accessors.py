@@ -1,0 +1,297 @@
+"""DeepSpeed 0.19.8's engine accessors, as a mixin that crew's Engine inherits.
+
+Same names, signatures and meaning as `deepspeed.runtime.engine.DeepSpeedEngine`: precision and
+ZeRO queries (`fp16_enabled()`, `zero_optimization_stage()`, ...), config values
+(`gradient_clipping()`, `steps_per_print()`, ...), optimizer names and hyperparameters
+(`optimizer_name()`, `get_mom()`), step results (`get_global_grad_norm()`, `was_step_applied()`),
+gradient-sync control (`no_sync()`, `set_gradient_accumulation_boundary()`), batch-size changes
+(`set_train_batch_size()`, `set_train_micro_batch_size()`), `module_state_dict()`, `destroy()`,
+`get_data_types()` and the `communication_data_type` property.
+
+Where crew differs from DeepSpeed it says so in the method's docstring: errors are CrewError (with
+the DeepSpeed text) rather than AssertionError, and `get_global_grad_norm()` is a float at every
+stage and precision (DeepSpeed leaves it None for stage-0 fp32 and returns a tensor under ZeRO).
+
+The Engine calls `_init_accessors()` in its constructor, `_begin_step()` at the top of `step()`
+and `_clip_and_record_norm()` / `_record_skipped_step()` at the accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from crew.errors import ConfigError, CrewError
+from crew.runtime import registry
+
+# DeepSpeed lower-cases these config optimizer types in optimizer_name() (runtime/config.py constants)
+_LOWER_CASED_OPTIMIZERS = frozenset({"adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd",
+                                     "lion", "muon"})
+_MOMENTUM_OPTIMIZERS = ("SGD", "RMSprop")
+# DeepSpeed's DtypeEnum spellings (runtime/config_utils.py)
+_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+
+
+def _dtype(value: Any, key: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    raise ConfigError(f"{key} is {value!r}; use one of \"fp32\", \"fp16\" or \"bf16\".")
+
+
+class DeepSpeedAccessors:
+    """Mixin for crew's Engine: needs `config`, `precision`, `zero`, `module`, `optimizer`,
+    `world_size`, `micro_steps`, `balancer` and `_ddp` (see crew/runtime/engine.py)."""
+
+    def _init_accessors(self, client_optimizer: Any) -> None:
+        self._client_optimizer_name = None if client_optimizer is None else type(client_optimizer).__name__
+        self._global_grad_norm: torch.Tensor | float | None = None
+        self._step_applied = False
+        self._in_no_sync = False
+        self._boundary_override: bool | None = None
+        self._communication_data_type: torch.dtype | None = None
+        self._destroyed = False
+
+    # -- precision and ZeRO -----------------------------------------------------------------------
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def dynamic_loss_scale(self) -> bool:
+        """fp16.loss_scale == 0, as DeepSpeed (True by default, even with fp16 off)."""
+        return self.config.fp16.loss_scale == 0
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(model dtype, gradient accumulation dtype): data_types.grad_accum_dtype when the config
+        gives one, else the model dtype."""
+        model_dtype = torch.float16 if self.fp16_enabled() else \
+            torch.bfloat16 if self.bfloat16_enabled() else torch.float32
+        section = self.config.raw.get("data_types") or {}
+        accum = section.get("grad_accum_dtype") if isinstance(section, dict) else None
+        return model_dtype, (model_dtype if accum is None else _dtype(accum, "data_types.grad_accum_dtype"))
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The config's communication_data_type, else fp16/bf16 when enabled, else float32.
+        (crew reduces fp16/bf16 gradients in their own dtype at stages 0-1 and in fp32 at 2-3,
+        whatever this says.)"""
+        if self._communication_data_type is not None:
+            return self._communication_data_type
+        given = self.config.raw.get("communication_data_type")
+        if given is not None:
+            return _dtype(given, "communication_data_type")
+        if self.fp16_enabled():
+            return torch.float16
+        return torch.bfloat16 if self.bfloat16_enabled() else torch.float32
+
+    @communication_data_type.setter
+    def communication_data_type(self, value) -> None:
+        self._communication_data_type = _dtype(value, "communication_data_type")
+
+    # -- config values ----------------------------------------------------------------------------
+
+    def gradient_clipping(self) -> float:
+        """Max gradient norm; 0 = off. crew's default is 1.0, as DeepSpeed 0.19."""
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        """crew's default is 10 (DeepSpeed 0.19's is None)."""
+        return self.config.steps_per_print
+
+    def dataloader_drop_last(self) -> bool:
+        return self.config.dataloader_drop_last
+
+    def optimizer_name(self) -> str | None:
+        """The client optimizer's class name; else the config type, lower-cased for DeepSpeed's own
+        names (adam, adamw, lamb, ...) and as given otherwise; None without an optimizer. For a
+        client callable it is the class of the optimizer it built (DeepSpeed says 'function')."""
+        if self._client_optimizer_name is not None:
+            return self._client_optimizer_name
+        section = self.config.optimizer
+        if section is None:
+            return None
+        return section.type.lower() if section.type.lower() in _LOWER_CASED_OPTIMIZERS else section.type
+
+    def scheduler_name(self) -> str | None:
+        section = self.config.scheduler
+        return section.type if section is not None else None
+
+    def get_mom(self) -> list:
+        """Per param group: `momentum` for SGD/RMSprop, else `betas` (as DeepSpeed); a group
+        without that key gives the other one, or None."""
+        first, second = ("momentum", "betas") if self.optimizer_name() in _MOMENTUM_OPTIMIZERS \
+            else ("betas", "momentum")
+        return [group.get(first, group.get(second)) for group in self.optimizer.param_groups]
+
+    # -- step results -----------------------------------------------------------------------------
+
+    def get_global_grad_norm(self) -> float | None:
+        """The total L2 norm of the gradients before clipping at the last accumulation boundary,
+        unscaled under fp16, the same on every rank; inf when fp16 overflowed; None before the
+        first boundary step."""
+        norm = self._global_grad_norm
+        if isinstance(norm, torch.Tensor):
+            if hasattr(norm, "full_tensor"):  # a DTensor at ZeRO stages 2-3
+                norm = norm.full_tensor()
+            norm = self._global_grad_norm = float(norm.item())
+        return norm
+
+    def was_step_applied(self) -> bool:
+        """True after a boundary step whose optimizer step ran (not skipped for fp16 overflow)."""
+        return self._step_applied
+
+    def _begin_step(self) -> None:
+        if self._in_no_sync:
+            raise CrewError("It is illegal to call Engine.step() inside no_sync context manager: "
+                            "leave the `with engine.no_sync():` block (and run a backward outside it, "
+                            "which averages the gradients) before engine.step().")
+        self._step_applied = False
+
+    def _clip_and_record_norm(self, params: list[torch.Tensor]) -> None:
+        """Clip to gradient_clipping (when > 0) and keep the norm before clipping. The norm stays a
+        tensor until get_global_grad_norm() asks: no device sync on the step."""
+        max_norm = self.config.gradient_clipping
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        self._global_grad_norm = norm.detach()
+        self._step_applied = True
+
+    def _record_skipped_step(self) -> None:
+        self._global_grad_norm = float("inf")  # as DeepSpeed on an fp16 overflow
+
+    # -- gradient sync and accumulation -----------------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force is_gradient_accumulation_boundary() to `is_boundary` from now on (sticky, as in
+        DeepSpeed: there is no way back to counting micro steps)."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside do not average gradients across ranks (stages 0-1); they
+        accumulate locally until a backward outside the block. Run the forward inside the block
+        too: DDP decides at the forward whether the backward reduces."""
+        if self.zero_optimization_partition_gradients():
+            stage = self.zero_optimization_stage()
+            raise CrewError(
+                f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
+                f"stage {stage}: stage {stage} reduce-scatters gradients on every backward. Call "
+                f"backward() without no_sync (accumulation is handled by gradient_accumulation_steps), "
+                f"or use zero_optimization.stage 0 or 1.")
+        if self._in_no_sync:
+            raise CrewError("no_sync context manager reentry is unsupported: you are already inside "
+                            "`with engine.no_sync():`.")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    def _sync_this_backward(self) -> bool:
+        return self.is_gradient_accumulation_boundary() and not self._in_no_sync
+
+    # -- batch sizes ------------------------------------------------------------------------------
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch by changing gradient_accumulation_steps (the micro batch stays);
+        it must be a multiple of micro batch x world size. The loader is not changed (as DeepSpeed)."""
+        self._refuse_per_rank("set_train_batch_size")
+        micro = self.config.train_micro_batch_size_per_gpu
+        per_step = micro * self.world_size
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or \
+                train_batch_size < 1 or train_batch_size % per_step:
+            raise ConfigError(
+                f"Train batch size must be divisible by micro-batch data parallelism: "
+                f"set_train_batch_size({train_batch_size!r}) is not a positive multiple of "
+                f"train_micro_batch_size_per_gpu {micro} x {self.world_size} ranks = {per_step}; "
+                f"pass a multiple of {per_step}.")
+        self._update_batch(train_batch_size=train_batch_size,
+                           gradient_accumulation_steps=train_batch_size // per_step)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro batch; gradient accumulation stays, so the global batch becomes
+        micro x accumulation x world size. The loader is not changed (as DeepSpeed)."""
+        self._refuse_per_rank("set_train_micro_batch_size")
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ConfigError(f"set_train_micro_batch_size({micro_batch_size!r}): the micro batch must "
+                              "be a positive integer.")
+        self._update_batch(
+            train_micro_batch_size_per_gpu=micro_batch_size,
+            train_batch_size=micro_batch_size * self.gradient_accumulation_steps() * self.world_size)
+
+    def _refuse_per_rank(self, what: str) -> None:
+        if self.config.train_micro_batch_size_per_rank is not None:
+            raise ConfigError(
+                f"{what}() needs one micro batch for every rank, but this config sets "
+                f"train_micro_batch_size_per_rank {list(self.config.train_micro_batch_size_per_rank)}; "
+                "change the sizes in the config instead, or use train_micro_batch_size_per_gpu.")
+
+    def _update_batch(self, **values: int) -> None:
+        # Config is frozen and its `raw` is the user's dict as given: a copy with new values.
+        self.config = self.config.model_copy(update=values)
+
+    # -- state and teardown -----------------------------------------------------------------------
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        """The module's state dict (in the training dtype). At ZeRO stages 2-3 the full tensors are
+        gathered from the shards on every rank: a collective, every rank must call it."""
+        if not self.zero.shards_params:
+            state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+            if exclude_frozen_parameters:
+                for name, param in self.module.named_parameters():
+                    if not param.requires_grad:
+                        state.pop(prefix + name, None)
+            return state
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=exclude_frozen_parameters)
+        full = get_model_state_dict(self.module, options=options)
+        dtype = self.precision.dtype
+        state = destination if destination is not None else {}
+        for name, value in full.items():
+            state[prefix + name] = value.to(dtype) if value.is_floating_point() else value
+        return state
+
+    def destroy(self) -> None:
+        """Release the DDP wrapper, the optimizer state and this engine's entry among the live
+        engines. The engine cannot train afterwards; calling it again does nothing."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        destroy = getattr(self.optimizer, "destroy", None)
+        if callable(destroy):
+            destroy()
+        for optimizer in (self.optimizer, getattr(self.optimizer, "optim", None)):
+            state = getattr(optimizer, "state", None)
+            if hasattr(state, "clear"):
+                state.clear()
+        self._ddp = None
+        registry.unregister(self)
