@@ -8,7 +8,6 @@ import os
 import sys
 
 
-
 class _CurrentStdout(logging.StreamHandler):
     """Writes to whatever sys.stdout is at the time (redirected, captured), not the one at import."""
 

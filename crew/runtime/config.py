@@ -35,8 +35,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from crew.errors import ConfigError
 from crew.runtime.batch import PER_RANK_KEY, BatchSizeError, resolve_batch_sizes, resolve_per_rank
 
-__all__ = ["BF16Config", "BatchSizeError", "Config", "ConfigWarning", "FP16Config", "OptimizerConfig",
-           "SchedulerConfig", "ZeroConfig", "ignored_keys", "load_config", "resolve_batch_sizes"]
+__all__ = ["ActivationCheckpointingConfig", "BF16Config", "BatchSizeError", "Config", "ConfigWarning",
+           "FP16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ignored_keys", "load_config",
+           "resolve_batch_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,35 @@ class CheckpointConfig(BaseModel):
                                        "script skips the batches it consumed itself.")
 
 
+class ActivationCheckpointingConfig(BaseModel):
+    """DeepSpeed's `activation_checkpointing` section, read by `deepspeed.checkpointing.configure()`
+    (crew/deepspeed/checkpointing.py), as in DeepSpeed: the engine itself does not read it."""
+
+    model_config = _SECTION
+    partition_activations: bool = Field(False, description="Split checkpoints across model-parallel "
+                                        "ranks (no effect: crew has no model parallelism).")
+    contiguous_memory_optimization: bool = Field(False, description="Copy partitioned checkpoints into "
+                                                 "one buffer (no effect in crew).")
+    cpu_checkpointing: bool = Field(False, description="Keep the checkpointed inputs in CPU memory "
+                                    "between forward and backward.")
+    number_checkpoints: int | None = Field(None, ge=1, description="Checkpoints per forward (for the "
+                                           "contiguous buffer).")
+    synchronize_checkpoint_boundary: bool = Field(False, description="Synchronize the device before and "
+                                                  "after each checkpointed call.")
+    profile: bool = Field(False, description="Log the time of each checkpointed forward and recompute.")
+
+    @classmethod
+    def from_config(cls, config: str | os.PathLike | Mapping[str, Any]) -> ActivationCheckpointingConfig:
+        """The section of a DeepSpeed config (a dict or a JSON file's path); defaults when absent."""
+        source = "<dict>" if isinstance(config, Mapping) else str(config)
+        data = config if isinstance(config, Mapping) else _read_json(Path(config))
+        section = data.get("activation_checkpointing") or {}
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{source}: activation_checkpointing must be an object {{...}}, "
+                              f"got {_json_type(section)}.")
+        return _validate(cls, dict(section), source, prefix="activation_checkpointing.")
+
+
 class ZeroConfig(BaseModel):
     """Only `stage` is typed; the other keys are kept in `model_extra` and read by crew/runtime/zero.py."""
 
@@ -122,6 +152,8 @@ class Config(BaseModel):
                              description="bf16 mixed precision.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO sharding.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig, description="deepspeed.checkpointing's settings.")
     world_size: int = Field(gt=0, description="Data-parallel ranks the batch triple was resolved for.")
     source: str = Field(description="Where the config came from (a path or '<dict>'), for messages.")
     raw: dict[str, Any] = Field(description="Deep copy of the user's dict, as given.")
@@ -185,7 +217,7 @@ class _BatchKeys(BaseModel):
 # without a warning and reported by ignored_keys(); move a key across when crew starts using it.
 _TOP_KEYS = frozenset(Config.model_fields) - {"world_size", "source", "raw", "auto_balance"} | {"bfloat16"}
 _DEEPSPEED_ONLY = frozenset({
-    "activation_checkpointing", "aio", "allgather_size", "amp", "autotuning", "comet",
+    "aio", "allgather_size", "amp", "autotuning", "comet",
     "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
     "curriculum_learning", "data_efficiency", "data_parallel_size", "data_types", "datastates_ckpt",
     "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
@@ -224,6 +256,8 @@ _SECTIONS = {
     "zero_optimization": (_ZERO_IMPLEMENTED, _ZERO_DEEPSPEED_ONLY - _ZERO_IMPLEMENTED),
     "optimizer": (frozenset({"type", "params"}), frozenset({"legacy_fusion"})),
     "scheduler": (frozenset({"type", "params"}), frozenset()),
+    "activation_checkpointing": (frozenset(ActivationCheckpointingConfig.model_fields), frozenset({
+        "partition_activations", "contiguous_memory_optimization"})),
     "checkpoint": (frozenset(CheckpointConfig.model_fields), frozenset({
         "load_universal", "parallel_write", "tag_validation", "use_node_local_storage"})),
 }
@@ -300,16 +334,16 @@ _BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "les
            "less_than_equal": ("le", "<=")}
 
 
-def _validate(model: type[BaseModel], data: dict[str, Any], source: str) -> Any:
+def _validate(model: type[BaseModel], data: dict[str, Any], source: str, prefix: str = "") -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        problems = "; ".join(_describe(error) for error in err.errors())
+        problems = "; ".join(_describe(error, prefix) for error in err.errors())
         raise ConfigError(f"{source}: {problems}.") from None
 
 
-def _describe(error: Mapping[str, Any]) -> str:
-    key = ".".join(str(part) for part in error["loc"])
+def _describe(error: Mapping[str, Any], prefix: str = "") -> str:
+    key = prefix + ".".join(str(part) for part in error["loc"])
     kind, value = error["type"], error.get("input")
     shown = json.dumps(value, default=repr)
     if kind == "missing":

@@ -327,7 +327,7 @@ def test_unknown_keys_warn_with_did_you_mean(patch, key, suggestion, caplog):
 
 
 DEEPSPEED_ONLY = [
-    ("activation_checkpointing", {"partition_activations": True}), ("flops_profiler", {"enabled": False}),
+    ("flops_profiler", {"enabled": False}),
     ("tensorboard", {"enabled": True}), ("wandb", {"enabled": False}), ("csv_monitor", {"enabled": False}),
     ("comms_logger", {"enabled": False}), ("aio", {"block_size": 1048576}), ("autotuning", {"enabled": False}),
     ("amp", {"enabled": False}), ("communication_data_type", "fp32"), ("elasticity", {"enabled": False}),
@@ -348,10 +348,11 @@ def test_ignored_keys_inside_sections_in_the_users_order(no_warnings):
             "bf16": {"immediate_grad_update": True},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                   "stage3_prefetch_bucket_size": 5},
-            "activation_checkpointing": {}}
+            "activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": False}}
     assert ignored_keys(Config.from_dict(data, world_size=1)) == [
-        "wandb", "activation_checkpointing", "fp16.fused_mode", "bf16.immediate_grad_update",
-        "zero_optimization.stage3_prefetch_bucket_size"]  # offload_optimizer: crew/runtime/zero.py reads it
+        "wandb", "fp16.fused_mode", "bf16.immediate_grad_update",
+        "zero_optimization.stage3_prefetch_bucket_size",  # offload_optimizer: crew/runtime/zero.py reads it
+        "activation_checkpointing.partition_activations"]  # deepspeed.checkpointing reads the rest
 
 
 def test_a_plain_config_ignores_nothing(no_warnings):
