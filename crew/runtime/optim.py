@@ -27,7 +27,8 @@ from torch.optim import Optimizer
 from crew.errors import ConfigError
 
 __all__ = [
-    "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_optimizer", "build_scheduler",
+    "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "adam_kernel", "build_optimizer",
+    "build_scheduler",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,17 @@ def _build_adam(name: str, params: dict, model_parameters: Iterable) -> Optimize
         logger.warning("optimizer.params.set_grad_none=%r is ignored: zero_grad() sets gradients to None, "
                        "as FusedAdam does by default.", merged["set_grad_none"])  # fmt: skip
     kwargs = {key: merged[key] for key in ("lr", "betas", "eps", "weight_decay")}
-    return cls(model_parameters, **_checked_values(kwargs))
+    model_parameters = list(model_parameters)
+    return cls(model_parameters, **_checked_values(kwargs), **adam_kernel(model_parameters))
+
+
+def adam_kernel(params: Iterable) -> dict[str, bool]:
+    """{"fused": True} when every parameter is a plain CUDA tensor: torch's fused Adam kernel, where
+    DeepSpeed runs its FusedAdam kernel. Otherwise torch's own choice (foreach on CUDA, a loop on the
+    CPU, and for ZeRO 2-3's sharded DTensors)."""
+    tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    plain_cuda = [p.is_cuda and type(p) in (torch.Tensor, torch.nn.Parameter) for p in tensors]
+    return {"fused": True} if tensors and all(plain_cuda) else {}
 
 
 def _checked_values(kwargs: dict) -> dict:

@@ -548,3 +548,16 @@ def test_optimizer_errors(name, params, message):
     with pytest.raises(ConfigError, match=message):
         build_optimizer(name, params, [torch.nn.Parameter(torch.zeros(2))])
     assert params == frozen
+
+
+def test_adam_uses_torchs_fused_kernel_on_cuda_only():
+    from crew.runtime.optim import adam_kernel
+
+    params = list(torch.nn.Linear(2, 2).parameters())
+    assert adam_kernel(params) == {} and adam_kernel([{"params": params}]) == {}  # CPU: torch's own choice
+    built = build_optimizer("Adam", {}, params)
+    assert built.defaults["fused"] is None
+    if torch.cuda.is_available():
+        cuda = list(torch.nn.Linear(2, 2).cuda().parameters())
+        assert build_optimizer("Adam", {}, cuda).defaults["fused"] is True
+        assert build_optimizer("AdamW", {"torch_adam": True}, cuda).defaults["fused"] is None  # torch_adam: as given

@@ -2,8 +2,8 @@
 
 adam_w_mode (adamw_mode) True is AdamW's decoupled weight decay (the same steps as torch.optim.AdamW),
 False is Adam with L2 weight decay added to the gradient, as in DeepSpeed. torch's fused kernel runs
-on CUDA, its foreach one on the CPU. torch always corrects the moments' bias: bias_correction=False
-is refused.
+on CUDA (as the config's "Adam" does, crew/runtime/optim.py). torch always corrects the moments' bias:
+bias_correction=False is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import inspect
 import torch
 
 from crew.errors import CrewError
+from crew.runtime.optim import adam_kernel
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
 
@@ -27,12 +28,6 @@ def _check(name: str, bias_correction: bool, amsgrad: bool) -> None:
                         "corrects the moments' bias. Drop bias_correction=False.")
 
 
-def _kernel(params: list) -> dict:
-    """fused=True when every tensor is on CUDA, foreach otherwise."""
-    tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
-    return {"fused": True} if tensors and all(p.is_cuda for p in tensors) else {"foreach": True}
-
-
 class _Adam(torch.optim.Adam):
     """torch's Adam, with AdamW's decoupled weight decay when `decoupled` (done by hand on a torch
     too old for Adam(decoupled_weight_decay=True): param *= 1 - lr * weight_decay, as AdamW does)."""
@@ -41,7 +36,7 @@ class _Adam(torch.optim.Adam):
         params = list(params)
         self._manual_decay = decoupled and not _HAS_DECOUPLED
         extra = {"decoupled_weight_decay": decoupled} if _HAS_DECOUPLED else {}
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_kernel(params),
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adam_kernel(params),
                          **extra)
         if self._manual_decay:
             for group in self.param_groups:
