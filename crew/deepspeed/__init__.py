@@ -10,6 +10,8 @@ from crew import __version__ as _crew_version
 from crew.deepspeed import accelerator, checkpointing, ops
 from crew.deepspeed.accelerator import get_accelerator
 from crew.deepspeed.errors import UnsupportedAttribute, unsupported
+from crew.deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from crew.deepspeed.runtime.engine import DeepSpeedEngine
 from crew.deepspeed.utils import log_dist, logger
 from crew.errors import ConfigError, CrewError
 from crew.runtime import comm, zero
@@ -19,9 +21,9 @@ from crew.runtime.comm import init_distributed
 __version__ = f"{_crew_version}+crew"  # crew's version, marked: this is not DeepSpeed
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
-__all__ = ["ConfigError", "CrewError", "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", "accelerator",
-           "add_config_arguments", "checkpointing", "comm", "get_accelerator", "init_distributed", "initialize",
-           "log_dist", "logger", "ops", "zero"]
+__all__ = ["ConfigError", "CrewError", "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine",
+           "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", "accelerator", "add_config_arguments", "checkpointing",
+           "comm", "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "ops", "zero"]
 
 
 def __getattr__(name: str):

@@ -26,10 +26,8 @@ import torch
 
 from crew.errors import ConfigError, CrewError
 from crew.runtime import registry
+from crew.runtime.config_view import DeepSpeedConfig, deepspeed_optimizer_name
 
-# DeepSpeed lower-cases these config optimizer types in optimizer_name() (runtime/config.py constants)
-_LOWER_CASED_OPTIMIZERS = frozenset({"adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd",
-                                     "lion", "muon"})
 _MOMENTUM_OPTIMIZERS = ("SGD", "RMSprop")
 # DeepSpeed's DtypeEnum spellings (runtime/config_utils.py)
 _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -111,6 +109,11 @@ class DeepSpeedAccessors:
 
     # -- config values ----------------------------------------------------------------------------
 
+    @property
+    def _config(self) -> DeepSpeedConfig:
+        """DeepSpeed's config object for this engine's config (DeepSpeed keeps one as `_config`)."""
+        return DeepSpeedConfig(self.config)
+
     def gradient_clipping(self) -> float:
         """Max gradient norm; 0 = off. crew's default is 1.0, as DeepSpeed 0.19."""
         return self.config.gradient_clipping
@@ -129,9 +132,7 @@ class DeepSpeedAccessors:
         if self._client_optimizer_name is not None:
             return self._client_optimizer_name
         section = self.config.optimizer
-        if section is None:
-            return None
-        return section.type.lower() if section.type.lower() in _LOWER_CASED_OPTIMIZERS else section.type
+        return deepspeed_optimizer_name(section.type) if section is not None else None
 
     def scheduler_name(self) -> str | None:
         section = self.config.scheduler

@@ -1,5 +1,5 @@
 """DeepSpeed's utility names on crew: deepspeed.utils (log_dist, RepeatingLoader, safe_get_full_*),
-deepspeed.utils.zero_to_fp32, deepspeed.checkpointing, deepspeed.ops.adam, deepspeed.runtime.utils,
+deepspeed.utils.zero_to_fp32, deepspeed.ops.adam, deepspeed.runtime.utils,
 deepspeed.moe.utils and the deepspeed.comm collectives.
 
 One spawned world of two ranks checks everything that needs a process group (log_dist, the
@@ -8,6 +8,7 @@ collectives, safe_get_full_* and checkpoints at ZeRO stages 0 and 3); the rest r
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import subprocess
@@ -106,7 +107,10 @@ def _train_and_save(stage: int, precision: str, folder: str) -> dict:
 
 
 def world(rank: int, folders: list[str]) -> dict:
+    from crew.deepspeed import DeepSpeedConfig
+
     result = {"log": _log_dist_lines(rank), "comm": _collectives(rank)}
+    result["config_world"] = DeepSpeedConfig({"train_batch_size": 8}).train_micro_batch_size_per_gpu
     result["stage0"] = _train_and_save(0, "bf16", folders[0])
     result["stage3"] = _train_and_save(3, "fp32", folders[1])
     return result
@@ -202,31 +206,6 @@ def test_repeating_loader_restarts():
     assert [next(loader) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
 
 
-def test_checkpointing_gives_the_plain_gradients():
-    from crew.deepspeed import checkpointing
-
-    def block(x, scale=None):
-        return torch.tanh(layer(x)) * scale
-
-    layer = torch.nn.Linear(5, 5)
-    inputs = torch.randn(3, 5, requires_grad=True)
-    grads = []
-    for run in (block, lambda x, scale: checkpointing.checkpoint(block, x, scale=scale)):
-        layer.zero_grad()
-        inputs.grad = None
-        run(inputs, scale=torch.tensor(2.0)).sum().backward()
-        grads.append((inputs.grad.clone(), layer.weight.grad.clone()))
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-    assert not checkpointing.is_configured()
-    checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"partition_activations": True}},
-                            num_checkpoints=4)
-    assert checkpointing.is_configured()
-    with pytest.raises(AssertionError, match="only available with partitioned activations"):
-        checkpointing.configure(None, contiguous_checkpointing=True)
-    checkpointing.reset()
-    assert not checkpointing.is_configured()
-
-
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_fused_adam_steps_as_torch(weight_decay):
     from crew.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
@@ -314,3 +293,25 @@ def test_the_names_import_as_deepspeed(tmp_path):
     assert lines[1].startswith("deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer "
                                "(mixture of experts) is not supported by crew")
     assert lines[2].startswith("UnsupportedModule deepspeed.moe.layer (mixture of experts) is not supported")
+
+
+def test_deepspeed_config_resolves_for_the_world_it_is_built_in(ranks, tmp_path):
+    import crew
+    from crew.deepspeed import DeepSpeedConfig, DeepSpeedConfigError, DeepSpeedEngine
+
+    assert [seen["config_world"] for seen in ranks[0]] == [4, 4]  # 8 samples over 2 ranks
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "gradient_accumulation_steps": 2, "fp16": {"enabled": True},
+                                "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+                                "zero_optimization": {"stage": 2}}))
+    config = DeepSpeedConfig(str(path))
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
+            config.world_size, config.global_rank) == (8, 4, 2, 1, 0)
+    assert config.zero_enabled and config.zero_optimization_stage == 2 and config.float16_config.enabled
+    assert not config.bfloat16_config.enabled and config.gradient_clipping == 1.0
+    assert (config.optimizer_name, config.optimizer_params, config.scheduler_name) == ("adam", {"lr": 0.1}, None)
+    with pytest.raises(DeepSpeedConfigError, match="train_batch_size 8 is not a positive multiple of train_micro_batch_size_per_gpu 3"):
+        DeepSpeedConfig({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3})
+    engine, *_ = crew.initialize(model=make_model(), config=str(path))
+    assert isinstance(engine, DeepSpeedEngine)
+    assert engine._config.train_batch_size == 8 and engine._config.optimizer_name == "adam"
