@@ -61,6 +61,10 @@ class DeepSpeedAccessors:
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
 
+    def fp16_auto_cast(self) -> bool:
+        """fp16.auto_cast: forward() casts floating-point positional inputs to fp16."""
+        return self.config.fp16.auto_cast
+
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled
 

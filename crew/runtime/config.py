@@ -244,6 +244,9 @@ _ZERO_DEEPSPEED_ONLY = frozenset({
     "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
     "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
     "zero_quantized_nontrainable_weights", "zero_quantized_weights", "zeropp_loco_param"})
+# Typed (so a wrong value is an error) but not acted on: listed when set to anything but the default.
+# Pre-dividing is a guard against fp16 overflow in the all-reduce; crew averages in one division.
+_TYPED_NO_EFFECT = {"prescale_gradients": False, "gradient_predivide_factor": 1.0, "wall_clock_breakdown": False}
 # crew/runtime/zero.py reads these (and "wrap", crew's own); the rest of DeepSpeed's ZeRO keys have no effect.
 _ZERO_IMPLEMENTED = frozenset({"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "wrap"})
 _BF16_KEYS = (frozenset(BF16Config.model_fields), frozenset({
@@ -322,6 +325,8 @@ def ignored_keys(config: Config) -> list[str]:
     found = ["bfloat16"] if "bf16" in config.raw and "bfloat16" in config.raw else []
     for section, prefix, _, deepspeed_only in _levels(config.raw):
         found += [f"{prefix}{key}" for key in section if key in deepspeed_only]
+        if not prefix:
+            found += [key for key in section if key in _TYPED_NO_EFFECT and section[key] != _TYPED_NO_EFFECT[key]]
     return found
 
 

@@ -119,6 +119,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self.balancer is not None:
             self.balancer.forward_started()
+        if self.fp16_auto_cast():
+            args = _cast_half(args)  # positional inputs only, as DeepSpeed
         with self.precision.guard():  # an op with no fp16/bf16 kernel: a clear error, not deep
             if self._ddp is None:
                 return self.module(*args, **kwargs)
@@ -238,6 +240,17 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
 
 def _device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _cast_half(inputs):
+    """Floating-point tensors in (nested lists, tuples, dicts of) `inputs` as fp16."""
+    if isinstance(inputs, (list, tuple)):
+        return inputs.__class__(_cast_half(value) for value in inputs)
+    if isinstance(inputs, dict):
+        return {key: _cast_half(value) for key, value in inputs.items()}
+    if isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+        return inputs.half()
+    return inputs
 
 
 def _param_groups(model_parameters, module: torch.nn.Module, replaced: dict) -> list[dict]:

@@ -233,9 +233,10 @@ def _explain(exc: BaseException, dtype: torch.dtype, device: str) -> str | None:
     # An fp32 input reaching a cast layer; LayerNorm/BatchNorm on CPU say "mixed dtype" instead.
     mentions_dtype = _C10_NAMES[dtype] in text or str(dtype) in text
     if "mixed dtype" in text or (mentions_dtype and _MIXED_DTYPES.search(text)):
+        auto_cast = ' or set "fp16": {"auto_cast": true};' if dtype == torch.float16 else ";"
         return (f"the model was cast to {dtype} ({key}) but a layer got an input of another dtype "
                 f"({text.splitlines()[0]}). Cast floating-point inputs to {dtype} before the "
-                f"forward, e.g. x.to({dtype}); DeepSpeed does not cast inputs either.")
+                f"forward, e.g. x.to({dtype}),{auto_cast} DeepSpeed does not cast them by default either.")
     return None
 
 

@@ -260,3 +260,29 @@ def test_boundary_override_is_sticky_and_per_rank_sizes_are_refused():
     engine, _, _, _ = crew.initialize(model=make_model(), config=config())
     with pytest.raises(crew.ConfigError, match="positive integer"):
         engine.set_train_micro_batch_size(0)
+
+
+def test_fp16_auto_cast_casts_the_positional_inputs():
+    import crew
+    from crew.runtime.engine import _cast_half
+
+    seen = []
+
+    class Probe(torch.nn.Linear):
+        def forward(self, x, extra=None):
+            seen.append((x.dtype, extra.dtype))
+            return super().forward(x)
+
+    for auto_cast in (True, False):
+        engine, _, _, _ = crew.initialize(model=Probe(4, 2), config=config(
+            micro=2, accumulation=1, fp16={"enabled": True, "auto_cast": auto_cast}))
+        assert engine.fp16_auto_cast() is auto_cast
+        if auto_cast:
+            engine(torch.randn(2, 4), extra=torch.ones(1))
+            assert seen == [(torch.float16, torch.float32)]  # keyword inputs stay, as in DeepSpeed
+        else:
+            with pytest.raises(CrewError, match=r'or set "fp16": \{"auto_cast": true\}'):
+                engine(torch.randn(2, 4), extra=torch.ones(1))  # fp32 inputs into an fp16 model
+    nested = _cast_half(([torch.ones(1), 3], {"a": torch.ones(1, dtype=torch.float64), "i": torch.ones(1).long()}))
+    assert nested[0][0].dtype == nested[1]["a"].dtype == torch.float16 and nested[0][1] == 3
+    assert nested[1]["i"].dtype == torch.int64

@@ -264,6 +264,7 @@ def test_values_are_read(no_warnings):
     assert batch(config) == (16, 2, 2) and config.source == "ds.json"
     assert (config.steps_per_print, config.gradient_clipping, config.gradient_predivide_factor) == (5, 0, 2)
     assert config.prescale_gradients and config.wall_clock_breakdown and config.dataloader_drop_last
+    assert ignored_keys(config) == ["prescale_gradients", "gradient_predivide_factor", "wall_clock_breakdown"]
     assert config.optimizer.type == "AdamW" and config.optimizer.params == {"lr": 0.001, "betas": [0.9, 0.95]}
     assert config.scheduler.type == "WarmupLR" and config.scheduler.params == {"warmup_num_steps": 10}
     assert config.fp16.model_dump() == {
