@@ -49,7 +49,7 @@ class DeepSpeedAccessors:
 
     def _init_accessors(self, client_optimizer: Any) -> None:
         self._client_optimizer_name = None if client_optimizer is None else type(client_optimizer).__name__
-        self._global_grad_norm: torch.Tensor | float | None = None
+        self._global_grad_norm: torch.Tensor | None = None
         self._step_applied = False
         self._in_no_sync = False
         self._boundary_override: bool | None = None
@@ -151,15 +151,16 @@ class DeepSpeedAccessors:
 
     # -- step results -----------------------------------------------------------------------------
 
-    def get_global_grad_norm(self) -> float | None:
+    def get_global_grad_norm(self) -> torch.Tensor | None:
         """The total L2 norm of the gradients before clipping at the last accumulation boundary,
         unscaled under fp16, the same on every rank; inf when fp16 overflowed; None before the
-        first boundary step."""
+        first boundary step. A 0-dim fp32 CPU tensor, as DeepSpeed's ZeRO optimizers return it
+        (`float(norm)` and `norm.item()` both work), at every stage."""
         norm = self._global_grad_norm
-        if isinstance(norm, torch.Tensor):
+        if norm is not None and (norm.device.type != "cpu" or hasattr(norm, "full_tensor")):
             if hasattr(norm, "full_tensor"):  # a DTensor at ZeRO stages 2-3
                 norm = norm.full_tensor()
-            norm = self._global_grad_norm = float(norm.item())
+            norm = self._global_grad_norm = norm.detach().float().cpu()
         return norm
 
     def was_step_applied(self) -> bool:
@@ -181,11 +182,11 @@ class DeepSpeedAccessors:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        self._global_grad_norm = norm.detach()
+        self._global_grad_norm = norm.detach().float()
         self._step_applied = True
 
     def _record_skipped_step(self) -> None:
-        self._global_grad_norm = float("inf")  # as DeepSpeed on an fp16 overflow
+        self._global_grad_norm = torch.tensor(float("inf"))  # as DeepSpeed on an fp16 overflow
 
     # -- gradient sync and accumulation -----------------------------------------------------------
 

@@ -310,7 +310,8 @@ def test_deepspeed_config_resolves_for_the_world_it_is_built_in(ranks, tmp_path)
     assert config.zero_enabled and config.zero_optimization_stage == 2 and config.float16_config.enabled
     assert not config.bfloat16_config.enabled and config.gradient_clipping == 1.0
     assert (config.optimizer_name, config.optimizer_params, config.scheduler_name) == ("adam", {"lr": 0.1}, None)
-    with pytest.raises(DeepSpeedConfigError, match="train_batch_size 8 is not a positive multiple of train_micro_batch_size_per_gpu 3"):
+    not_a_multiple = "train_batch_size 8 is not a positive multiple of train_micro_batch_size_per_gpu 3"
+    with pytest.raises(DeepSpeedConfigError, match=not_a_multiple):
         DeepSpeedConfig({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3})
     engine, *_ = crew.initialize(model=make_model(), config=str(path))
     assert isinstance(engine, DeepSpeedEngine)
