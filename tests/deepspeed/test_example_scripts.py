@@ -41,3 +41,40 @@ def test_getting_started_script_trains_and_resumes_from_its_client_state(job_dir
     resumed = crew(*args, "--load_dir", "ckpt", "--ckpt_id", "step20", cwd=job_dir)
     assert resumed.code == 0, resumed.err
     assert json.loads((job_dir / "losses0.json").read_text()) == uninterrupted[20:]  # exactly, unchanged
+
+
+def _per_step_losses(rows: list[dict]) -> list[float]:
+    """Each step's loss from one run's `Train/loss` scalars, logged every step: the script logs the mean
+    of all its losses so far (np.mean(losses)), so step n's loss is n * mean_n - (n - 1) * mean_(n-1)."""
+    means = [row["value"] for row in rows]
+    return [n * mean - (n - 1) * previous for n, (mean, previous) in enumerate(zip(means, [0.0, *means]), 1)]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hello_deepspeed_script_trains_and_resumes_from_its_checkpoint_step(job_dir, stage):
+    script = str(SCRIPTS / "hello_deepspeed_style.py")
+    args = ["run", "--num_gpus", "2", "--as_deepspeed", script, "--zero_stage", str(stage), "--log_every", "1"]
+    first = crew(*args, "--checkpoint_dir", "ckpts", "--num_iterations", "40", cwd=job_dir)
+    assert first.code == 0, first.err
+    [exp_dir] = (job_dir / "ckpts").glob("bert_pretrain.*")  # one experiment folder, for both ranks
+    assert json.loads((exp_dir / "hparams.json").read_text())["num_iterations"] == 40
+    scalars = exp_dir / "tb_dir" / "scalars.jsonl"
+    rows = [json.loads(line) for line in scalars.read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 40))  # its loop: steps 1..num_iterations-1
+    losses = _per_step_losses(rows)
+    assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:5]) / 5, losses  # it learns
+    assert (first.out + first.err).count("Saved model to") == 3, first.out  # steps 10, 20, 30
+    assert (exp_dir / "latest").read_text().strip() == "global_step30"
+
+    # resume: client_state['checkpoint_step'] 30 from `latest`, so steps 31..49 (num_iterations 50)
+    resumed = crew(*args, "--load_checkpoint_dir", str(exp_dir), "--num_iterations", "50", cwd=job_dir)
+    assert resumed.code == 0, resumed.err
+    assert "Loading from Experiment Directory" in resumed.out + resumed.err
+    rows_after = [json.loads(line) for line in scalars.read_text().splitlines()][len(rows):]
+    assert [row["step"] for row in rows_after] == list(range(31, 50))
+    resumed_losses = _per_step_losses(rows_after)
+    # the trained weights came back: it goes on near where it was, not from the untrained start
+    assert sum(resumed_losses[:5]) / 5 < 0.75 * sum(losses[:5]) / 5, resumed_losses
+    # and the engine's step counter too: the step-40 save is tag global_step40 (30 loaded + 10)
+    assert (exp_dir / "latest").read_text().strip() == "global_step40"
+    assert (exp_dir / "global_step40").is_dir()
