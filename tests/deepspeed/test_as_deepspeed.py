@@ -4,11 +4,9 @@ not provide is refused by name; without the flag nothing is shadowed."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 
 from conftest import crew, write_script
+from shimrun import run_as_deepspeed
 
 from crew.deepspeed.alias import ALIASES
 
@@ -98,13 +96,7 @@ ALIAS_CHECKS = """
 
 
 def test_names_crew_does_not_provide_are_refused_by_feature(tmp_path):
-    from crew.deepspeed.alias import __file__ as alias_file
-
-    shim = alias_file.rpartition("/")[0] + "/shim"
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(ALIAS_CHECKS), shim], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    lines = run_as_deepspeed(ALIAS_CHECKS, tmp_path)
     assert lines[0].startswith("UnsupportedAttribute deepspeed.init_inference (DeepSpeed inference) is not "
                                "supported by crew: crew runs data-parallel training with ZeRO stages 0-3")
     assert lines[1].startswith("UnsupportedModule deepspeed.moe") and "(mixture of experts) is not" in lines[1]

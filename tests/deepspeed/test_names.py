@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import random
-import subprocess
-import sys
-import textwrap
 
 import numpy
 import pytest
 import torch
 from dist import run_ranks
+from shimrun import run_as_deepspeed
 
 from crew.runtime.checkpoint import CheckpointError
 
@@ -282,13 +280,7 @@ SCRIPT = """
 
 
 def test_the_names_import_as_deepspeed(tmp_path):
-    from crew.deepspeed.alias import __file__ as alias_file
-
-    shim = alias_file.rpartition("/")[0] + "/shim"
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), shim], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    lines = run_as_deepspeed(SCRIPT, tmp_path)
     assert lines[0] == "crew.deepspeed.checkpointing True True"
     assert lines[1].startswith("deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer "
                                "(mixture of experts) is not supported by crew")
