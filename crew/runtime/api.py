@@ -35,7 +35,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         micro = engine.balancer.sizes if engine.balancer else resolved.train_micro_batch_size_per_gpu
         loader = DataLoader(training_data, micro, engine.world_size, engine.global_rank,
                             collate_fn=collate_fn, drop_last=resolved.dataloader_drop_last,
-                            num_workers=2 if on_gpu else 0, pin_memory=on_gpu)
+                            num_workers=2 if on_gpu else 0, pin_memory=on_gpu,
+                            reshuffle=resolved.dataloader_reshuffle_each_epoch)
     engine.training_dataloader = loader
     if engine.balancer is not None:
         _attach_loader(engine.balancer, loader, resolved.source)

@@ -145,6 +145,9 @@ class Config(BaseModel):
     gradient_predivide_factor: float = Field(1.0, gt=0, description="Divide gradients by this before reducing.")
     wall_clock_breakdown: bool = Field(False, description="Time forward/backward/step.")
     dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch.")
+    dataloader_reshuffle_each_epoch: bool = Field(False, description="crew: shuffle each epoch of the "
+                                                  "training_data loader anew; off, as in DeepSpeed, every "
+                                                  "epoch repeats the order the sampler's epoch gives.")
     optimizer: OptimizerConfig | None = Field(None, description="Optimizer to build; None = client's own.")
     scheduler: SchedulerConfig | None = Field(None, description="LR scheduler to build; None = client's own.")
     fp16: FP16Config = Field(default_factory=FP16Config, description="fp16 mixed precision.")

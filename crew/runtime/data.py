@@ -6,8 +6,11 @@ seed 0, pad to a multiple of the world size), `batch_size=train_micro_batch_size
 user's `collate_fn`, `drop_last=dataloader_drop_last`. crew builds the same thing, so epoch 0 yields
 the same micro batches on every rank. What crew adds:
 
-- every new `iter(loader)` is the next epoch and calls `set_epoch(epoch)`, so epochs reshuffle
-  (DeepSpeed releases that never call it repeat epoch 0's order forever);
+- an epoch count: every new `iter(loader)` is the next epoch. Its order is DeepSpeed's: the sampler's
+  epoch stays what the script last set with `loader.data_sampler.set_epoch(e)` (0 if never), so
+  without that call every epoch repeats epoch 0's order, as DeepSpeedDataLoader does. With
+  `reshuffle=True` (the config's `dataloader_reshuffle_each_epoch`, crew's key) each epoch is
+  shuffled by its own number instead;
 - `state_dict()` / `load_state_dict()` / `skip_to_step()` resume mid-epoch by slicing the rank's
   index list, so skipped samples are never read (no `__getitem__`, no collate, no worker traffic).
 
@@ -155,7 +158,7 @@ class DataLoader:
 
     def __init__(self, dataset, micro_batch_size: int | Sequence[int], world_size: int, rank: int,
                  collate_fn: Callable | None = None, drop_last: bool = False, num_workers: int = 0,
-                 pin_memory: bool = False, seed: int = 0) -> None:
+                 pin_memory: bool = False, seed: int = 0, reshuffle: bool = False) -> None:
         _check_dataset(dataset)
         _check_int("data parallel world size", world_size, 1)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -176,6 +179,8 @@ class DataLoader:
         self.num_local_io_workers = num_workers
         self.pin_memory = pin_memory
         self.epoch = 0
+        self.reshuffle = reshuffle
+        self._order_epoch = 0  # the sampler epoch that orders the samples (DeepSpeed's: the script's)
         self._consumed = 0                                  # micro batches yielded in `epoch`
         self._pending: tuple[int, int] | None = (0, 0)      # where the next iter() starts
         self._batches: Iterator | None = None
@@ -203,7 +208,9 @@ class DataLoader:
 
     def __iter__(self) -> DataLoader:
         epoch, skip = self._next_start()
-        self.data_sampler.set_epoch(epoch)
+        if self.reshuffle:
+            self._order_epoch = epoch
+        self.data_sampler.set_epoch(self._order_epoch)
         self.data_sampler.set_by_user = False
         # Slicing the index list is what makes resuming cheap: skipped samples are never fetched.
         indices = list(self.data_sampler)[skip * self.batch_size:]
@@ -232,7 +239,7 @@ class DataLoader:
         if self.data_sampler.set_by_user:
             # A DeepSpeed habit: `loader.data_sampler.set_epoch(e)` before each epoch. Honour it, and
             # keep a loaded resume point only if it is for that same epoch.
-            epoch = self.data_sampler.epoch
+            epoch = self._order_epoch = self.data_sampler.epoch
             return (epoch, pending[1]) if pending and pending[0] == epoch else (epoch, 0)
         if pending is not None:
             return pending
@@ -241,7 +248,8 @@ class DataLoader:
     def state_dict(self) -> dict:
         """Where this rank is: the epoch in progress and the micro batches already yielded from it
         (before the first `iter()`, or after a load, the point the next `iter()` starts from)."""
-        return {"epoch": self.epoch, "batches_consumed": self._consumed, "base_seed": self._base_seed}
+        return {"epoch": self.epoch, "batches_consumed": self._consumed, "base_seed": self._base_seed,
+                "order_epoch": self._order_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         """Make the next `iter()` continue epoch `state["epoch"]` after `batches_consumed` batches.
@@ -263,10 +271,12 @@ class DataLoader:
                 f"{self.data_sampler.num_replicas}, micro batch {self.batch_size}, drop_last "
                 f"{self.dataloader_drop_last}). Resume with the dataset and batch settings it was "
                 "saved with.")
+        order_epoch = state.get("order_epoch", epoch)  # saved before crew kept it: epochs reshuffled
         if consumed == batches:
             epoch, consumed = epoch + 1, 0
         self._resume_at(epoch, consumed)
         self._base_seed = state.get("base_seed")
+        self._order_epoch = epoch if self.reshuffle else order_epoch
 
     def restart_epoch(self, state: dict) -> None:
         """DeepSpeed's resume: the next `iter()` replays the epoch `state` was saved in from its first
@@ -292,7 +302,7 @@ class DataLoader:
 class RepeatingLoader:
     """DeepSpeed's `deepspeed.utils.RepeatingLoader`: restart the loader when it runs out.
 
-    With crew's DataLoader each restart is the next epoch, reshuffled.
+    With crew's DataLoader each restart is the next epoch (in DeepSpeed's order: see DataLoader).
     """
 
     def __init__(self, loader) -> None:

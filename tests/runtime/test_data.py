@@ -1,4 +1,5 @@
-"""crew.runtime.data: DeepSpeed's training loader on every rank, reshuffled epochs, resume without reading."""
+"""crew.runtime.data: DeepSpeed's training loader on every rank, its epochs (or reshuffled ones), resume
+without reading."""
 
 from __future__ import annotations
 
@@ -110,8 +111,15 @@ def test_drop_last_counts(drop_last):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_epoch_repeats_deepspeeds_order_by_default(world_size):
+    for r in range(world_size):
+        reference = deepspeed_reference(Items(), world_size, r, False)  # DeepSpeedDataLoader: no set_epoch
+        assert run(loader(world_size, r), 3) == [ids(reference) for _ in range(3)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_epochs_reshuffle_and_each_covers_the_dataset(world_size):
-    per_rank = [run(loader(world_size, r), 3) for r in range(world_size)]
+    per_rank = [run(loader(world_size, r, reshuffle=True), 3) for r in range(world_size)]
     for epoch in range(3):
         flat = [i for r in range(world_size) for batch in per_rank[r][epoch] for i in batch]
         counts = collections.Counter(flat)
@@ -140,7 +148,12 @@ def test_epoch_attribute_and_user_set_epoch():
     dl.data_sampler.set_epoch(7)
     assert ids(dl) == ids(deepspeed_reference(Items(), 2, 0, False, epoch=7))
     assert dl.epoch == 7
-    assert ids(dl) == ids(deepspeed_reference(Items(), 2, 0, False, epoch=8))
+    assert ids(dl) == ids(deepspeed_reference(Items(), 2, 0, False, epoch=7))  # DeepSpeed keeps epoch 7
+    assert dl.epoch == 8
+    reshuffled = loader(2, 0, reshuffle=True)
+    reshuffled.data_sampler.set_epoch(7)
+    assert [ids(reshuffled), ids(reshuffled)] == [ids(deepspeed_reference(Items(), 2, 0, False, epoch=e))
+                                                  for e in (7, 8)]
 
 
 def consume(dl: DataLoader, k: int) -> None:
@@ -237,11 +250,13 @@ def test_skip_to_step_errors():
         tiny.skip_to_step(1)
 
 
-def test_repeating_loader_moves_through_epochs():
-    dl = loader(2, 1)
+@pytest.mark.parametrize("reshuffle", [False, True])
+def test_repeating_loader_moves_through_epochs(reshuffle):
+    dl = loader(2, 1, reshuffle=reshuffle)
     repeated = RepeatingLoader(dl)
     got = [next(repeated)[:, 0].tolist() for _ in range(2 * len(dl) + 1)]
-    want = [b for epoch in range(3) for b in ids(deepspeed_reference(Items(), 2, 1, False, epoch=epoch))]
+    orders = [epoch if reshuffle else None for epoch in range(3)]  # DeepSpeed's: the same order again
+    want = [b for epoch in orders for b in ids(deepspeed_reference(Items(), 2, 1, False, epoch=epoch))]
     assert got == want[:len(got)]
     assert dl.epoch == 2
 
@@ -291,3 +306,21 @@ def test_pure_functions_match_torch():
     assert split_micro_steps(0, 4) == (0, 0)
     assert split_micro_steps(9, 4) == (2, 1)
     assert split_micro_steps(8, 4) == (2, 0)
+
+
+def test_a_resume_keeps_the_epoch_order_the_script_set():
+    def rest_of_epoch(dl: DataLoader) -> list[list[int]]:
+        batches = []
+        while (batch := next(dl, None)) is not None:
+            batches.append(batch)
+        return ids(batches)
+
+    dl = loader(2, 0)
+    dl.data_sampler.set_epoch(3)
+    first = next(iter(dl))
+    state = dl.state_dict()
+    rest, following = rest_of_epoch(dl), ids(dl)  # the next epoch: still epoch 3's order
+    assert ids([first]) + rest == following == ids(deepspeed_reference(Items(), 2, 0, False, epoch=3))
+    resumed = loader(2, 0)
+    resumed.load_state_dict(state)
+    assert (ids(resumed), ids(resumed)) == (rest, following)

@@ -130,8 +130,8 @@ def indices_dataset(count: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(torch.arange(count))
 
 
-def loaders(count: int, sizes: list[int], drop_last: bool = False) -> list[DataLoader]:
-    return [DataLoader(indices_dataset(count), sizes, len(sizes), rank, drop_last=drop_last)
+def loaders(count: int, sizes: list[int], drop_last: bool = False, reshuffle: bool = False) -> list[DataLoader]:
+    return [DataLoader(indices_dataset(count), sizes, len(sizes), rank, drop_last=drop_last, reshuffle=reshuffle)
             for rank in range(len(sizes))]
 
 
@@ -159,8 +159,10 @@ def test_a_short_last_micro_step_is_padded_or_dropped_the_same_on_every_rank():
     assert len(dropped) == 24 == len(set(dropped))
 
 
-def test_epochs_reshuffle():
+def test_epochs_repeat_their_order_unless_reshuffled():
     ranks = loaders(SAMPLES, [5, 3])
+    assert epoch_micro_steps(ranks) == epoch_micro_steps(ranks)  # DeepSpeed's: no set_epoch, same order
+    ranks = loaders(SAMPLES, [5, 3], reshuffle=True)
     first, second = epoch_micro_steps(ranks), epoch_micro_steps(ranks)
     assert first != second
 
