@@ -164,11 +164,12 @@ class DynamicLossScaler(LossScaler):
 
 
 def _probe_ops(dtype: torch.dtype, device: torch.device) -> None:
-    """Linear + matmul forward/backward and cross_entropy in `dtype`: what every model needs."""
+    """Linear + matmul forward/backward and cross_entropy in `dtype`: what every model needs. Its
+    own generator only: the script's random stream must not depend on whether crew probed."""
     generator = torch.Generator().manual_seed(0)
-    layer = torch.nn.Linear(8, 4).to(device=device, dtype=dtype)
-    x = torch.randn(3, 8, generator=generator).to(device=device, dtype=dtype).requires_grad_()
-    hidden = layer(x) @ torch.ones(4, 4, device=device, dtype=dtype)
+    weight, bias, x = (torch.randn(*shape, generator=generator).to(device=device, dtype=dtype).requires_grad_()
+                       for shape in ((4, 8), (4,), (3, 8)))
+    hidden = torch.nn.functional.linear(x, weight, bias) @ torch.ones(4, 4, device=device, dtype=dtype)
     loss = torch.nn.functional.cross_entropy(hidden, torch.tensor([0, 1, 2], device=device))
     loss.backward()
 

@@ -454,3 +454,16 @@ def test_gloo_two_ranks_reduce_low_precision_and_agree_on_overflow(tmp_path):
         assert result["torch.bfloat16"] == [True, [4.0] * 4]
         # only rank 1 saw the inf, yet both skip the step and halve the scale
         assert result["overflow"] == [True, 8.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_kernel_probe_leaves_the_scripts_random_stream_alone(dtype):
+    precision_module._first_failure.cache_clear()  # probe again, as the first engine of a process does
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    try:
+        check_supported(dtype, "cpu")
+    except CrewError:
+        pass  # a build without the kernels: the probe ran all the same
+    assert torch.equal(torch.rand(3), expected)
