@@ -69,12 +69,23 @@ CONFIGS = {
 }
 
 
+def in_turn(rank: int, fn, calls: list[tuple]) -> list:
+    """Sessions one after another in the same two processes: one spawn instead of one per session
+    (each session seeds its model and data afresh, and a resume restores the RNG from its checkpoint)."""
+    return [fn(rank, *args) for args in calls]
+
+
+def sessions(fn, calls: list[tuple]) -> list[list]:
+    """[session][rank] -> what fn returned."""
+    return [list(results) for results in zip(*run_ranks(in_turn, 2, fn, calls), strict=True)]
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_resume_is_exact_on_two_ranks(tmp_path, name):
     config, steps = CONFIGS[name], 6  # 6 steps of 16 samples: past the end of the first epoch
-    whole = run_ranks(session, 2, config, str(tmp_path / "whole"), "fresh", 2 * steps)
-    first = run_ranks(session, 2, config, str(tmp_path / "split"), "fresh", steps)
-    second = run_ranks(session, 2, config, str(tmp_path / "split"), "resume", 2 * steps)
+    whole, first, second = sessions(session, [(config, str(tmp_path / "whole"), "fresh", 2 * steps),
+                                              (config, str(tmp_path / "split"), "fresh", steps),
+                                              (config, str(tmp_path / "split"), "resume", 2 * steps)])
     for rank in range(2):
         assert first[rank]["losses"] + second[rank]["losses"] == whole[rank]["losses"]
         for key, value in whole[rank]["params"].items():
@@ -95,6 +106,7 @@ def deepspeed_style_session(rank: int, config: dict, folder: str, start: str, un
     logging.getLogger("crew").addHandler(handler)
     engine, _, loader, _ = crew.initialize(model=make_model(), training_data=dataset(), config=config)
     consumed = engine.load_checkpoint(folder)[1]["consumed"] if start == "resume" else 0
+    logging.getLogger("crew").removeHandler(handler)
     losses = []
     for index, (inputs, targets) in enumerate(loader):
         if index < consumed:
@@ -113,11 +125,9 @@ def deepspeed_style_session(rank: int, config: dict, folder: str, start: str, un
 def test_a_deepspeed_script_that_skips_consumed_batches_resumes_exactly_by_default(tmp_path):
     # 56 samples, 2 ranks x micro 4: 7 steps an epoch; the split at step 3, the end at 6, one epoch
     config, folder = ds_config(accumulation=1), str(tmp_path / "split")
-    whole = run_ranks(deepspeed_style_session, 2, config, str(tmp_path / "whole"), "fresh", 6)
-    first = run_ranks(deepspeed_style_session, 2, config, folder, "fresh", 3)
-    second = run_ranks(deepspeed_style_session, 2, config, folder, "resume", 6)
-    crews_own = run_ranks(deepspeed_style_session, 2, ds_config(accumulation=1, checkpoint=EXACT_DATA),
-                          folder, "resume", 6)
+    whole, first, second, crews_own = sessions(deepspeed_style_session, [
+        (config, str(tmp_path / "whole"), "fresh", 6), (config, folder, "fresh", 3),
+        (config, folder, "resume", 6), (ds_config(accumulation=1, checkpoint=EXACT_DATA), folder, "resume", 6)])
     assert first[0]["losses"] + second[0]["losses"] == whole[0]["losses"]
     assert "starts its epoch from the beginning, as DeepSpeed's does" in second[0]["said"][0]
     assert '"resume_data_position": true' in second[0]["said"][0]
