@@ -4,7 +4,8 @@ micro step and gradient norms per optimizer step.
     .venv/bin/python benchmarks/deepspeed_compare.py --deepspeed_python /path/to/venv-with-deepspeed/bin/python
 
 The script has the shape of DeepSpeed's getting-started tutorial: `deepspeed.initialize(args=...,
-model=..., model_parameters=..., training_data=...)`, a loop over the returned loader, backward, step.
+model=..., model_parameters=..., training_data=...)`, two epochs over the returned loader (the
+second checks the epoch order: DeepSpeed's loader never calls set_epoch), backward, step.
 After each step that closed an accumulation boundary (`engine.is_gradient_accumulation_boundary()`
 before `engine.step()`) it keeps `engine.get_global_grad_norm()` (the L2 norm before clipping; a tensor
 is turned into a float, None stays None). DeepSpeed 0.19.8 reports None at ZeRO stage 0 in fp32 (see
@@ -39,21 +40,22 @@ SCRIPT = """
     deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
-    inputs = torch.randn(256, 16)
+    inputs = torch.randn(128, 16)
     data = torch.utils.data.TensorDataset(inputs, (inputs[:, :4].sum(dim=1, keepdim=True)).tanh())
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
                                                 training_data=data)
     losses, norms = [], {}
-    for inputs, targets in loader:
-        loss = torch.nn.functional.mse_loss(engine(inputs), targets)
-        engine.backward(loss)
-        boundary = engine.is_gradient_accumulation_boundary()
-        engine.step()
-        losses.append(loss.item())
-        if boundary:
-            norm = engine.get_global_grad_norm()
-            norms[len(losses) - 1] = None if norm is None else float(norm)
+    for epoch in range(2):
+        for inputs, targets in loader:
+            loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            losses.append(loss.item())
+            if boundary:
+                norm = engine.get_global_grad_norm()
+                norms[len(losses) - 1] = None if norm is None else float(norm)
     if int(os.environ.get("RANK", 0)) == 0:
         with open(args.out, "w") as out:
             json.dump({"losses": losses, "norms": norms, "lr": engine.get_lr()}, out)
