@@ -9,8 +9,8 @@ gradient-sync control (`no_sync()`, `set_gradient_accumulation_boundary()`), bat
 `get_data_types()` and the `communication_data_type` property.
 
 Where crew differs from DeepSpeed it says so in the method's docstring: errors are CrewError (with
-the DeepSpeed text) rather than AssertionError, and `get_global_grad_norm()` is a float at every
-stage and precision (DeepSpeed leaves it None for stage-0 fp32 and returns a tensor under ZeRO).
+the DeepSpeed text) rather than AssertionError, and `get_global_grad_norm()` has a value at every
+stage and precision, a 0-dim tensor as under ZeRO (DeepSpeed leaves it None for stage-0 fp32).
 
 The Engine calls `_init_accessors()` in its constructor, `_begin_step()` at the top of `step()`
 and `_clip_and_record_norm()` / `_record_skipped_step()` at the accumulation boundary.
