@@ -77,7 +77,7 @@ class LossScaler:
 
     def update_scale(self, overflow: bool) -> None:
         if overflow:
-            logger.info("[crew] OVERFLOW! Skipping step. Static loss scale %s (fp16.loss_scale) "
+            logger.info("OVERFLOW! Skipping step. Static loss scale %s (fp16.loss_scale) "
                         "stays; set fp16.loss_scale to 0 for dynamic scaling.", _number(self.cur_scale))
 
     def state_dict(self) -> dict[str, Any]:
@@ -121,7 +121,7 @@ class DynamicLossScaler(LossScaler):
                     self.cur_hysteresis = self.delayed_shift
                 previous = self.cur_scale
                 self.cur_scale *= self.scale_factor
-                logger.info("[crew] No overflow for %d iterations: loss scale %s -> %s",
+                logger.info("No overflow for %d iterations: loss scale %s -> %s",
                             self.scale_window, _number(previous), _number(self.cur_scale))
         self.cur_iter += 1
 
@@ -137,11 +137,11 @@ class DynamicLossScaler(LossScaler):
                     f"inf/nan in the loss or inputs, lower the learning rate, or train in bf16 "
                     f"(bf16.enabled: true, fp16.enabled: false).")
             next_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-            logger.info("[crew] OVERFLOW! Skipping step. Attempted loss scale: %s, reducing to %s",
+            logger.info("OVERFLOW! Skipping step. Attempted loss scale: %s, reducing to %s",
                         _number(self.cur_scale), _number(next_scale))
             self.cur_scale = next_scale
         else:
-            logger.info("[crew] OVERFLOW! Skipping step. Attempted loss scale: %s, but hysteresis is "
+            logger.info("OVERFLOW! Skipping step. Attempted loss scale: %s, but hysteresis is "
                         "%d. Reducing hysteresis to %d", _number(self.cur_scale), self.cur_hysteresis,
                         self.cur_hysteresis - 1)
             self.cur_hysteresis -= 1
