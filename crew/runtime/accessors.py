@@ -300,4 +300,5 @@ class DeepSpeedAccessors:
             if hasattr(state, "clear"):
                 state.clear()
         self._ddp = None
+        self.monitor.close()
         registry.unregister(self)

@@ -119,6 +119,32 @@ class ActivationCheckpointingConfig(BaseModel):
         return _validate(cls, dict(section), source, prefix="activation_checkpointing.")
 
 
+class _MonitorFolder(BaseModel):
+    """DeepSpeed's tensorboard / csv_monitor sections (deepspeed/monitor/config.py): rank 0 writes
+    into output_path/job_name (crew/runtime/monitor.py)."""
+
+    model_config = _SECTION
+    enabled: bool = Field(False, description="Write the engine's events.")
+    output_path: str = Field("", description="Folder for the job's folder ('' = the working directory).")
+    job_name: str = Field("DeepSpeedJobName", description="The job's folder inside output_path.")
+
+
+class TensorBoardConfig(_MonitorFolder):
+    pass
+
+
+class CSVConfig(_MonitorFolder):
+    pass
+
+
+class WandbConfig(BaseModel):
+    model_config = _SECTION
+    enabled: bool = Field(False, description="Log the engine's events to Weights & Biases.")
+    group: str | None = Field(None, description="wandb.init(group=...).")
+    team: str | None = Field(None, description="wandb.init(entity=...).")
+    project: str = Field("deepspeed", description="wandb.init(project=...).")
+
+
 class ZeroConfig(BaseModel):
     """Only `stage` is typed; the other keys are kept in `model_extra` and read by crew/runtime/zero.py."""
 
@@ -155,6 +181,9 @@ class Config(BaseModel):
                              description="bf16 mixed precision.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO sharding.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard events.")
+    csv_monitor: CSVConfig = Field(default_factory=CSVConfig, description="One CSV file per event tag.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging.")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="deepspeed.checkpointing's settings.")
     world_size: int = Field(gt=0, description="Data-parallel ranks the batch triple was resolved for.")
@@ -221,14 +250,14 @@ class _BatchKeys(BaseModel):
 _TOP_KEYS = frozenset(Config.model_fields) - {"world_size", "source", "raw", "auto_balance"} | {"bfloat16"}
 _DEEPSPEED_ONLY = frozenset({
     "aio", "allgather_size", "amp", "autotuning", "comet",
-    "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
+    "comms_logger", "communication_data_type", "compile", "compression_training",
     "curriculum_learning", "data_efficiency", "data_parallel_size", "data_types", "datastates_ckpt",
     "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
     "flops_profiler", "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level",
     "managed_gradient_accumulation", "memory_breakdown", "nebula", "pipeline", "progressive_layer_drop",
     "quantize_training", "seq_parallel_communication_data_type", "sequence_parallel_size",
-    "sparse_attention", "sparse_gradients", "tensor_parallel", "tensorboard", "timers", "torch_autocast",
-    "trackio", "use_data_before_expert_parallelism", "vocabulary_size", "wandb", "weight_quantization",
+    "sparse_attention", "sparse_gradients", "tensor_parallel", "timers", "torch_autocast",
+    "trackio", "use_data_before_expert_parallelism", "vocabulary_size", "weight_quantization",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"})
 _ZERO_DEEPSPEED_ONLY = frozenset({
     "allgather_bucket_size", "allgather_partitions", "contiguous_gradients", "cpu_offload",
@@ -262,6 +291,9 @@ _SECTIONS = {
     "zero_optimization": (_ZERO_IMPLEMENTED, _ZERO_DEEPSPEED_ONLY - _ZERO_IMPLEMENTED),
     "optimizer": (frozenset({"type", "params"}), frozenset({"legacy_fusion"})),
     "scheduler": (frozenset({"type", "params"}), frozenset()),
+    "tensorboard": (frozenset(TensorBoardConfig.model_fields), frozenset()),
+    "csv_monitor": (frozenset(CSVConfig.model_fields), frozenset()),
+    "wandb": (frozenset(WandbConfig.model_fields), frozenset()),
     "activation_checkpointing": (frozenset(ActivationCheckpointingConfig.model_fields), frozenset({
         "partition_activations", "contiguous_memory_optimization"})),
     "checkpoint": (frozenset(CheckpointConfig.model_fields), frozenset({

@@ -17,6 +17,7 @@ import atexit
 import gc
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -26,8 +27,10 @@ from crew.log import log_rank0
 from crew.runtime import balance, checkpoint, comm, registry, zero
 from crew.runtime.accessors import DeepSpeedAccessors
 from crew.runtime.config import Config
+from crew.runtime.monitor import Monitor, step_events
 from crew.runtime.optim import build_optimizer, build_scheduler
 from crew.runtime.precision import Precision, make_precision
+from crew.runtime.progress import show_step
 
 @atexit.register
 def _release_process_group() -> None:
@@ -68,7 +71,11 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.micro_steps = 0
         self.training_dataloader = None
         self._loss_sum: torch.Tensor | None = None
-        self._last_print = (time.perf_counter(), 0)
+        self._last_print = (time.perf_counter(), 0, 0)
+        self._last_boundary: float | None = None
+        self.monitor = Monitor(config, self.global_rank)
+        # the last steps' events are written when the engine goes, or at exit (scripts never close it)
+        weakref.finalize(self, self.monitor.close)
         registry.register(self)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -168,23 +175,36 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.zero_grad()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        if self.monitor.enabled:
+            self._record_step()
         if self.global_steps % self.config.steps_per_print == 0:
             self._print_progress()
+            self.monitor.flush()
         self._loss_sum = None
+
+    def _record_step(self) -> None:
+        """This step's monitor events; they stay on the device until the monitor's next flush."""
+        now, then = time.perf_counter(), self._last_boundary
+        self._last_boundary = now
+        rate = self.train_batch_size() / (now - then) if then is not None else None
+        scale = self.precision.loss_scale if self.fp16_enabled() else None
+        sizes = self.balancer.sizes if self.balancer is not None else None
+        self.monitor.record(step_events(self.global_samples, self._loss_sum, self.get_lr()[0], scale, rate,
+                                        sizes))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self.precision.zero_model_grads()
 
     def _print_progress(self) -> None:
-        now, samples = time.perf_counter(), self.global_samples
-        then, before = self._last_print
-        self._last_print = (now, samples)
+        now, samples, steps = time.perf_counter(), self.global_samples, self.global_steps
+        then, before, steps_before = self._last_print
+        self._last_print = (now, samples, steps)
         loss = self._loss_sum.item() if self._loss_sum is not None else float("nan")
-        lrs = ", ".join(f"{lr:.3g}" for lr in self.get_lr())
-        skipped = f", skipped {self.precision.skipped_steps}" if self.precision.skipped_steps else ""
-        log_rank0("step %d: loss %.4f (rank 0), lr [%s], %.1f samples/s%s", self.global_steps,
-                  loss, lrs, (samples - before) / max(now - then, 1e-9), skipped)
+        seconds = max(now - then, 1e-9)
+        total = getattr(self.lr_scheduler, "total_num_steps", None)
+        show_step(steps, total if isinstance(total, int) else None, loss, self.get_lr(),
+                  (samples - before) / seconds, self.precision.skipped_steps, seconds / max(steps - steps_before, 1))
 
     # -- DeepSpeed's accessors (the rest: crew/runtime/accessors.py) ---------------------------
 
@@ -214,6 +234,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
     # -- checkpoints (crew/runtime/checkpoint/) -----------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+        self.monitor.flush()  # what a resumed run appends to starts where this one's events end
         return checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,

@@ -329,7 +329,7 @@ def test_unknown_keys_warn_with_did_you_mean(patch, key, suggestion, caplog):
 
 DEEPSPEED_ONLY = [
     ("flops_profiler", {"enabled": False}),
-    ("tensorboard", {"enabled": True}), ("wandb", {"enabled": False}), ("csv_monitor", {"enabled": False}),
+    ("timers", {"throughput": {"enabled": True}}),
     ("comms_logger", {"enabled": False}), ("aio", {"block_size": 1048576}), ("autotuning", {"enabled": False}),
     ("amp", {"enabled": False}), ("communication_data_type", "fp32"), ("elasticity", {"enabled": False}),
     ("compression_training", {}), ("data_efficiency", {"enabled": False}), ("sparse_attention", {"mode": "fixed"}),
@@ -345,13 +345,13 @@ def test_deepspeed_keys_crew_does_not_implement_are_accepted_and_listed(key, val
 
 
 def test_ignored_keys_inside_sections_in_the_users_order(no_warnings):
-    data = {"wandb": {}, MB: 1, "fp16": {"enabled": True, "fused_mode": True},
+    data = {"flops_profiler": {}, MB: 1, "fp16": {"enabled": True, "fused_mode": True},
             "bf16": {"immediate_grad_update": True},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                   "stage3_prefetch_bucket_size": 5},
             "activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": False}}
     assert ignored_keys(Config.from_dict(data, world_size=1)) == [
-        "wandb", "fp16.fused_mode", "bf16.immediate_grad_update",
+        "flops_profiler", "fp16.fused_mode", "bf16.immediate_grad_update",
         "zero_optimization.stage3_prefetch_bucket_size",  # offload_optimizer: crew/runtime/zero.py reads it
         "activation_checkpointing.partition_activations"]  # deepspeed.checkpointing reads the rest
 
