@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
+	rm -rf runs/demo  # the csv_monitor output of the last demo (examples/ds_config.json): a fresh curve
 	$(VENV)/bin/crew run --num_gpus 2 examples/train.py --deepspeed --deepspeed_config examples/ds_config.json
 
 test: install

@@ -1,5 +1,5 @@
-"""The `crew` command: parse the options and hand off, to the launcher (run, plan, doctor, sync) or
-to the runtime's offline tools (export, estimate).
+"""The `crew` command: parse the options and hand off, to the launcher (run, plan, doctor, sync), to
+the runtime's offline tools (export, estimate), or to crew.plot (plot).
 
 Every launch option accepts DeepSpeed's spelling (`--num_gpus`) and the dashed one (`--num-gpus`),
 and takes its default from a `CREW_<NAME>` environment variable when set (e.g. CREW_HOSTFILE).
@@ -192,6 +192,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from crew.plot import plot_dirs  # matplotlib (and tensorboard) only here
+
+    print(f"crew: wrote {plot_dirs(args.dirs, args.out).path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crew", description="Train PyTorch models on many "
                                      "processes across many machines (DeepSpeed-compatible).")
@@ -262,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
             "adds a column for what fits with 20%% left for activations")
     _option(est, "--json", action="store_true", help="print the rows as JSON (bytes)")
     est.set_defaults(handler=cmd_estimate)
+    plot = commands.add_parser("plot", help="draw loss, lr and samples/s against samples from csv_monitor "
+                               "or tensorboard output into a PNG, one line per run", allow_abbrev=False)
+    plot.add_argument("dirs", nargs="+", metavar="DIR", help="a monitor's output_path/job_name, or an "
+                      "output_path whose job folders are the runs; several DIRs are overlaid")
+    plot.add_argument("-o", "--out", metavar="FILE.png", help="where to write the PNG (default: the "
+                      "first DIR's name + .png, in the current folder)")
+    plot.set_defaults(handler=cmd_plot)
     return parser
 
 
