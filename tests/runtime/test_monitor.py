@@ -133,3 +133,28 @@ def test_a_monitor_without_its_package_names_the_extra(tmp_path):
         crew.initialize(model=make_model(), config={"train_batch_size": 2, "wandb": {"enabled": True},
                                                     "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     assert "crew[tensorboard]" in str(missing_extra("no_such_module_here", "tensorboard", "crew[tensorboard]"))
+
+
+def test_wandb_gets_deepspeeds_init_and_one_log_per_event(tmp_path, monkeypatch, request):
+    import sys
+
+    import crew
+
+    stub = tmp_path / "stub" / "wandb"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("calls = []\n"
+                                      "def init(**kwargs): calls.append(('init', kwargs))\n"
+                                      "def log(data, step=None, commit=None): calls.append(('log', data, step))\n")
+    monkeypatch.syspath_prepend(str(stub.parent))
+    request.addfinalizer(lambda: sys.modules.pop("wandb", None))  # the stub must not outlive the test
+    engine, *_ = crew.initialize(model=make_model(), config={
+        "train_batch_size": 2, "steps_per_print": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "wandb": {"enabled": True, "project": "p", "team": "t", "group": "g"}})
+    engine.backward(engine(torch.randn(2, 6)).sum())
+    engine.step()
+    import wandb
+
+    assert wandb.calls[0] == ("init", {"project": "p", "group": "g", "entity": "t"})
+    assert [(list(data), step) for _, data, step in wandb.calls[1:]] == [
+        (["Train/Samples/train_loss"], 2), (["Train/Samples/lr"], 2)]
+    assert wandb.calls[2][1] == {"Train/Samples/lr": 0.1}
