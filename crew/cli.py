@@ -19,8 +19,10 @@ from crew import __version__
 from crew.errors import CrewError
 from crew.launcher import runners
 from crew.launcher.hostfile import is_number
-from crew.launcher.job import Console, JobRun
+from crew.launcher.console import Console
+from crew.launcher.job import JobRun
 from crew.launcher.launch import Launch, agent_launches, format_layout, job_spec, local_devices, remote_nodes, resolve
+from crew.launcher.record import JobRecord
 from crew.units import parse_bytes, parse_count
 
 
@@ -137,11 +139,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             return code
     ports = {node.node_rank: node.ssh_port for node in launch.plan.nodes}
     for attempt in range(args.max_restarts + 1):
-        job = job_spec(launch, args, restart_count=attempt)
+        job = job_spec(launch, args, restart_count=attempt, console="tty" if console.tty else "plain")
         console.say(format_layout(launch, job.job_id))
         if job.as_deepspeed:
             console.say("--as_deepspeed: `import deepspeed` is crew on every rank")
-        run = JobRun(job, agent_launches(launch, job, args), console, ports)
+        record = JobRecord(job.log_dir, ["crew", *sys.argv[1:]], launch.launcher, console.say,
+                           args.node_rank) if job.log_dir else None
+        run = JobRun(job, agent_launches(launch, job, args), console, ports, record)
         code = run.run()
         if code == 0 or run.interrupted or attempt == args.max_restarts:
             return code

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,20 @@ def write_script(folder: Path, name: str, body: str) -> Path:
     path = folder / name
     path.write_text(textwrap.dedent(body))
     return path
+
+
+def ranks_saying(output: str, text: str) -> list[int]:
+    """Which ranks printed the line `text`, in crew's output, where the same line from several ranks is
+    one line `[host:R] text (and on ranks 1-3, 5)`: sorted, a rank once per time it said it."""
+    pattern = re.compile(rf"\[[^\]]*:(\d+)\] {re.escape(text)}(?: \(and on ranks? ([\d, -]+)\))?")
+    ranks = []
+    for line in output.splitlines():
+        if match := pattern.fullmatch(line):
+            ranks.append(int(match.group(1)))
+            for part in match.group(2).split(", ") if match.group(2) else []:
+                first, _, last = part.partition("-")
+                ranks += range(int(first), int(last or first) + 1)
+    return sorted(ranks)
 
 
 def processes_in(folder: Path) -> list[str]:

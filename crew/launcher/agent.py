@@ -1,10 +1,11 @@
 """`python -m crew.launcher.agent`: one per node per job, started by `crew run` through a runner.
 
-It starts the node's ranks, streams their output as whole lines prefixed `[host:rank] `, writes one
-log file per rank when asked, and owns teardown. It stops every rank (SIGTERM to each rank's process
-group, SIGKILL after a grace period) when a rank fails, when it is signalled, and when its connection
-to the launcher closes (stdin EOF, or stdout hang-up under pdsh), so that even a launcher killed with
-SIGKILL leaves nothing running on this node. Only the process groups of its own ranks are signalled.
+It starts the node's ranks, streams their output as whole lines prefixed `[host:rank] ` (progress-bar
+updates marked as such: `streams`), writes one log file per rank when asked (every byte as the rank
+wrote it), and owns teardown. It stops every rank (SIGTERM to each rank's process group, SIGKILL after a
+grace period) when a rank fails, when it is signalled, and when its connection to the launcher closes
+(stdin EOF, or stdout hang-up under pdsh), so that even a launcher killed with SIGKILL leaves nothing
+running on this node. Only the process groups of its own ranks are signalled.
 
 While its ranks have not all joined the process group a `joinwatch.JoinWatch` watches their sockets and
 sends a `join` event whenever a rank's state changes. A `stacks` line from the launcher on stdin (and a
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import resource
 import select
 import signal
@@ -34,27 +34,14 @@ import crew
 from crew.launcher import stacks
 from crew.launcher.joinwatch import JoinWatch
 from crew.launcher.proc import die_with_parent, signal_group
-from crew.launcher.protocol import STACKS_COMMAND, JobSpec, NodeSpec, node_arguments, read_job
+from crew.launcher.protocol import PROGRESS_MARK, STACKS_COMMAND, JobSpec, NodeSpec, node_arguments, read_job
 from crew.launcher.ranks import Output, Rank
+from crew.launcher.streams import IDLE_FLUSH_S, PROGRESS, Item, StreamSplitter
 
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel before giving up on a rank
 HEARTBEAT_S = 2.0
 STDERR_DRAIN_S = 1.0  # after a rank ends, how long to wait for the rest of its stderr
-_LINE_END = re.compile(rb"\r\n|\n|\r")
-_MAX_LINE = 1 << 20
 DEEPSPEED_SHIM = str(Path(crew.__file__).parent / "deepspeed" / "shim")
-
-
-def split_lines(buffer: bytes) -> tuple[list[bytes], bytes]:
-    """Complete lines (ended by \\n, \\r\\n or a progress bar's bare \\r) and the unfinished rest."""
-    lines, start = [], 0
-    end = len(buffer) - 1 if buffer.endswith(b"\r") else len(buffer)  # \r\n may be split
-    for match in _LINE_END.finditer(buffer, 0, end):
-        line = buffer[start:match.start()]
-        if line or match.group() != b"\r":  # a bare \r with nothing before it is no line
-            lines.append(line)
-        start = match.end()
-    return lines, buffer[start:]
 
 
 def rank_env(job: JobSpec, node_rank: int, local_rank: int, base: dict[str, str]) -> dict[str, str]:
@@ -146,30 +133,45 @@ def spawn(job: JobSpec, node_rank: int) -> list[Rank]:
 
 
 def pump(rank: Rank, stream: BinaryIO, fd_out: int, prefix: bytes, output: Output) -> None:
-    """Copy one rank stream to the agent's stream of the same kind, a whole line at a time."""
-    pending = b""
-    while chunk := os.read(stream.fileno(), 65536):
-        lines, pending = split_lines(pending + chunk)
-        if len(pending) > _MAX_LINE:
-            lines, pending = [*lines, pending], b""
-        for line in lines:
-            _emit(rank, line, fd_out, prefix, output)
-    if pending:
-        _emit(rank, pending.rstrip(b"\r"), fd_out, prefix, output)
+    """Copy one rank stream to the agent's stream of the same kind: whole lines prefixed `[host:rank] `,
+    progress-bar updates marked as such (`streams`), and every byte unchanged to the rank's log."""
+    splitter, fd = StreamSplitter(), stream.fileno()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while True:
+        if splitter.wants_idle() and not poller.poll(IDLE_FLUSH_S * 1000):
+            _emit(rank, splitter.idle(), b"", fd_out, prefix, output)
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        _emit(rank, *splitter.feed(chunk), fd_out, prefix, output)
+    _emit(rank, *splitter.close(), fd_out, prefix, output)
     stream.close()
     if fd_out == 2:
         rank.stderr_done.set()
 
 
-def _emit(rank: Rank, line: bytes, fd_out: int, prefix: bytes, output: Output) -> None:
-    if fd_out == 2:
-        text = line.decode(errors="replace")
-        rank.stderr_tail.append(text)
-        if not rank.said_timeout and stacks.looks_like_collective_timeout((text,)):
-            rank.said_timeout = True  # NCCL's watchdog says it, then aborts: the tail may lose the line
-        if rank.dump is not None:
-            rank.dump.append(text)
-    output.write(fd_out, prefix + line + b"\n", rank.log, line + b"\n")
+def _emit(rank: Rank, items: list[Item], raw: bytes, fd_out: int, prefix: bytes, output: Output) -> None:
+    data = []
+    for index, (kind, text) in enumerate(items):
+        if kind == PROGRESS:
+            if index + 1 == len(items) or items[index + 1][0] != PROGRESS:  # else superseded at once
+                data.append(PROGRESS_MARK + prefix + text + b"\n")
+            continue
+        data.append(prefix + text + b"\n")
+        if fd_out == 2:
+            _note_stderr(rank, text.decode(errors="replace"))
+    if data or raw:
+        output.write(fd_out, b"".join(data), rank.log, raw)
+
+
+def _note_stderr(rank: Rank, text: str) -> None:
+    rank.stderr_tail.append(text)
+    if not rank.said_timeout and stacks.looks_like_collective_timeout((text,)):
+        rank.said_timeout = True  # NCCL's watchdog says it, then aborts: the tail may lose the line
+    if rank.dump is not None:
+        rank.dump.append(text)
 
 
 def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool) -> None:

@@ -10,7 +10,8 @@ which stops the job, and then prints the watch's report: which ranks joined, whi
 rank was and what to do (exit code 124). A rank failing with a collective timeout gets the same: the
 stacks of the ranks still running, and the ranks that did not arrive. pdsh gives the agents no stdin:
 there the job is stopped with the join report but no stacks. This module does the wiring; the join
-states, the deadline and the report texts live in `hangs`.
+states, the deadline and the report texts live in `hangs`; what the ranks' lines look like on crew's
+stdout and stderr (merged, progress bars drawn or thinned) in `console`; the job's record in `record`.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import BinaryIO
 
-from crew.launcher.hangs import HANG_EXIT_CODE, HangWatch
 from crew.launcher import runners
+from crew.launcher.console import Console
+from crew.launcher.hangs import HANG_EXIT_CODE, HangWatch
 from crew.launcher.proc import signal_tree
-from crew.launcher.protocol import STACKS_COMMAND, JobSpec, decode_event
+from crew.launcher.protocol import PROGRESS_MARK, STACKS_COMMAND, JobSpec, decode_event
+from crew.launcher.record import FirstFailure, JobRecord
 from crew.launcher.runners import AgentLaunch, ssh_fix
 
 STOP_WAIT_S = 15.0  # after asking agents to stop: their grace period plus this, then SIGKILL
@@ -43,38 +45,15 @@ class Agent:
         default_factory=lambda: collections.deque(maxlen=AGENT_TAIL_LINES))
 
 
-@dataclass
-class Failure:
-    code: int
-    message: str
-
-
-class Console:
-    """The launcher's stdout (rank output) and stderr (ranks' stderr and crew's own messages)."""
-
-    def __init__(self, out: BinaryIO, err: BinaryIO):
-        self.out, self.err, self._lock = out, err, threading.Lock()
-
-    def write(self, stream: BinaryIO, data: bytes) -> None:
-        with self._lock:
-            try:
-                stream.write(data)
-                stream.flush()
-            except (OSError, ValueError):
-                pass  # our own terminal or pipe is gone; keep tearing down regardless
-
-    def say(self, text: str) -> None:
-        self.write(self.err, "".join(f"crew: {line}\n" for line in text.splitlines()).encode())
-
-
 class JobRun:
     def __init__(self, job: JobSpec, launches: list[AgentLaunch], console: Console,
-                 ports: dict[int, int | None] | None = None):
+                 ports: dict[int, int | None] | None = None, record: JobRecord | None = None):
         self.job, self.launches, self.console = job, launches, console
-        self.ports = ports or {}
+        self.ports, self.record = ports or {}, record
         self.events: queue.Queue = queue.Queue()
         self.agents: list[Agent] = []
-        self.failure: Failure | None = None
+        self.failure: FirstFailure | None = None
+        self.codes: dict[int, int] = {}  # each rank's exit code, from its node's `done`
         self.interrupted: str | None = None
         self.started: dict[int, dict] = {}
         self.done: set[int] = set()
@@ -83,6 +62,9 @@ class JobRun:
 
     def run(self) -> int:
         handlers = self._install_signal_handlers()
+        self.console.begin(sum(len(self.job.nodes[n].ranks) for a in self.launches for n in a.node_ranks))
+        if self.record:
+            self.record.start(self.job)
         try:
             for launch in self.launches:
                 if self.failure is None:
@@ -92,9 +74,14 @@ class JobRun:
             if report:
                 self.console.say(report)
         finally:
+            self.console.end()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
-        return self._exit_code()
+        code = self._exit_code()
+        if self.record:
+            status = "failed" if self.failure else "interrupted" if self.interrupted else "succeeded"
+            self.record.finish(code, status, self.codes, self.failure)
+        return code
 
     def _install_signal_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
@@ -134,15 +121,16 @@ class JobRun:
         for line in self.agents[index].proc.stdout:
             event = decode_event(line)
             if event is None:
-                self.console.write(self.console.out, line)
+                self.console.agent_line(1, line)
             else:
                 self.events.put(("event", index, event))
 
     def _read_stderr(self, index: int) -> None:
         agent = self.agents[index]
         for line in agent.proc.stderr:
-            agent.stderr_tail.append(line.decode(errors="replace").rstrip())
-            self.console.write(self.console.err, line)
+            if not line.startswith(PROGRESS_MARK):
+                agent.stderr_tail.append(line.decode(errors="replace").rstrip())
+            self.console.agent_line(2, line)
 
     def _wait(self, index: int, readers: list[threading.Thread]) -> None:
         for reader in readers:
@@ -206,17 +194,21 @@ class JobRun:
             message = _describe_rank_failure(event)
             if timeout:
                 message += self.hangs.on_collective_timeout(event)
-            self._fail(_exit_code(event["code"]), message, with_stacks=timeout)
+            self._fail(_exit_code(event["code"]), message, with_stacks=timeout, rank=event["rank"],
+                       host=event["host"], signal=event.get("signal"))
         elif kind == "error":
-            self._fail(1, f"{event['host']}: {event['message']}")
+            self._fail(1, f"{event['host']}: {event['message']}", host=event["host"])
         elif kind == "done":
             self.done.add(event["node"])
+            self.codes.update({int(rank): _exit_code(code) for rank, code in event["codes"].items()
+                               if code is not None})
 
     def _on_agent_exit(self, agent: Agent) -> None:
         missing = [n for n in agent.launch.node_ranks if n not in self.done]
         if missing and not self._stopping():
             code = agent.proc.returncode
-            self._fail(_exit_code(code) or 1, self._describe_agent_failure(agent, code))
+            self._fail(_exit_code(code) or 1, self._describe_agent_failure(agent, code),
+                       host=agent.launch.label)
 
     def _on_signal(self, name: str) -> None:
         if self.interrupted is not None:
@@ -227,10 +219,11 @@ class JobRun:
         self.console.say(f"{name} received: stopping every rank on every node.")
         self._stop_all()
 
-    def _fail(self, code: int, message: str, with_stacks: bool = False) -> None:
+    def _fail(self, code: int, message: str, with_stacks: bool = False, **where) -> None:
+        """The first failure stops the job; `where`: the rank, host and signal, when known."""
         if self._stopping():
             return
-        self.failure = Failure(code, message)
+        self.failure = FirstFailure(code, message, **where)
         self.console.say(message)
         self._stop_all(with_stacks)
 
@@ -281,7 +274,7 @@ class JobRun:
 
     def _exit_code(self) -> int:
         if self.failure is not None:
-            return self.failure.code
+            return self.failure.exit_code
         if self.interrupted is not None:
             return 128 + signal.Signals[self.interrupted].value
         return 0

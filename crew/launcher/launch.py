@@ -23,6 +23,7 @@ from crew.launcher.plan import Plan, build_plan, is_local_name, select_hosts
 from crew.launcher.protocol import JobSpec, NodeSpec
 
 LOCAL_HOST = "localhost"
+CONSOLE_ENV = "CREW_CONSOLE"
 
 
 @dataclass(frozen=True)
@@ -110,16 +111,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0) -> JobSpec:
+def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0,
+             console: str | None = None) -> JobSpec:
+    """The job every agent gets. `console`: CREW_CONSOLE for the ranks, "tty" when crew's stdout is a
+    terminal (the engine then draws its step line as a progress bar), else "plain"; the user's own
+    (--env, .deepspeed_env) wins."""
     plan = launch.plan
     cwd = os.getcwd()
+    env = {CONSOLE_ENV: console, **plan.env} if console else plan.env
     mode = "module" if args.module else "exec" if args.no_python else "python"
     return JobSpec(
         job_id=uuid.uuid4().hex[:8],
         nodes=tuple(NodeSpec(n.host, n.slots, n.ranks) for n in plan.nodes),
         master_addr=plan.master_addr, master_port=plan.master_port,
         program=(args.script or "<script>", *getattr(args, "script_args", [])),
-        cwd=cwd, mode=mode, env=plan.env, local_rank_arg=not args.no_local_rank,
+        cwd=cwd, mode=mode, env=env, local_rank_arg=not args.no_local_rank,
         as_deepspeed=getattr(args, "as_deepspeed", False),
         log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
         restart_count=restart_count, init_timeout=getattr(args, "init_timeout", None) or 0.0)

@@ -3,7 +3,9 @@
 The launcher hands every agent the same `JobSpec` as one JSON line (on stdin, or base64 in argv for pdsh,
 which has no stdin). Values travel as JSON, never through a shell, so no hostname, path or environment
 value is ever interpreted by one. The agent answers on its stdout: rank output lines (always prefixed
-`[host:rank] `) and event lines that start with EVENT_MARK, which no prefixed line can.
+`[host:rank] `) and event lines that start with EVENT_MARK, which no prefixed line can. A rank's
+progress-bar update (text it ended with a bare carriage return, see `streams`) comes as
+`PROGRESS_MARK[host:rank] text`, on the agent's stream of the same kind as the rank's.
 
 After the spec, the launcher keeps the agent's stdin open: closing it means "stop", and a line
 STACKS_COMMAND means "stop every rank with its Python stack first" (see agent.Supervisor). Events, as
@@ -22,6 +24,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 EVENT_MARK = b"\x1ecrew-event "
+PROGRESS_MARK = b"\x1ecrew-progress "
 STACKS_COMMAND = b"stacks"
 AGENT_MODULE = "crew.launcher.agent"
 

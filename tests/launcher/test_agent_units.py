@@ -1,4 +1,4 @@
-"""The agent's pure parts: line splitting, a rank's environment and argv, preflight messages."""
+"""The agent's pure parts: a rank's environment and argv, preflight messages (line splitting: test_streams)."""
 
 from __future__ import annotations
 
@@ -8,63 +8,8 @@ import sys
 
 import pytest
 
-from crew.launcher.agent import preflight, rank_argv, rank_env, split_lines
+from crew.launcher.agent import preflight, rank_argv, rank_env
 from crew.launcher.protocol import JobSpec, NodeSpec
-
-
-def feed(chunks: list[bytes]) -> tuple[list[bytes], bytes]:
-    """Split a stream arriving in `chunks` the way the agent's pump does."""
-    lines, pending = [], b""
-    for chunk in chunks:
-        done, pending = split_lines(pending + chunk)
-        lines += done
-    return lines, pending
-
-
-@pytest.mark.parametrize("buffer, lines, rest", [
-    (b"", [], b""),
-    (b"partial", [], b"partial"),
-    (b"a\nb\n", [b"a", b"b"], b""),
-    (b"a\nb", [b"a"], b"b"),
-    (b"a\r\nb\r\n", [b"a", b"b"], b""),
-    (b"\n\n", [b"", b""], b""),                                # empty lines are kept
-    (b"\r\n", [b""], b""),
-    (b"10%\r20%\r30%\n", [b"10%", b"20%", b"30%"], b""),       # progress bar
-    (b"10%\r20%\r", [b"10%"], b"20%\r"),                       # last \r may start a \r\n
-    (b"a\r", [], b"a\r"),
-    (b"\r", [], b"\r"),
-    (b"a\n\rb\n", [b"a", b"b"], b""),                          # lone \r at a line start: no line
-    (b"a\r\r\nb", [b"a", b""], b"b"),
-    (b"a\n\r\nb", [b"a", b""], b"b"),
-])
-def test_split_lines(buffer, lines, rest):
-    assert split_lines(buffer) == (lines, rest)
-
-
-@pytest.mark.parametrize("chunks, lines, rest", [
-    ([b"a\r", b"\nb\n"], [b"a", b"b"], b""),                   # \r\n split across chunks
-    ([b"a\r", b"\n"], [b"a"], b""),
-    ([b"a\r", b"\n\r", b"\n"], [b"a", b""], b""),
-    ([b"x\r", b"y\r", b"z\n"], [b"x", b"y", b"z"], b""),
-    ([b"he", b"llo", b"\nwor", b"ld"], [b"hello"], b"world"),
-    ([b"a\r", b"b"], [b"a"], b"b"),                            # next chunk ends the bare \r
-    ([b"", b"a\n", b""], [b"a"], b""),
-])
-def test_split_lines_chunked(chunks, lines, rest):
-    assert feed(chunks) == (lines, rest)
-
-
-STREAM = b"start\r\nbar 1%\rbar 50%\rbar 100%\r\n\nplain\nwin\r\n\r\rend"
-
-
-@pytest.mark.parametrize("cut", range(len(STREAM) + 1))
-def test_any_two_chunks_split_like_one(cut):
-    assert feed([STREAM[:cut], STREAM[cut:]]) == feed([STREAM])
-
-
-def test_byte_at_a_time_splits_like_one():
-    assert feed([bytes([b]) for b in STREAM]) == feed([STREAM]) == (
-        [b"start", b"bar 1%", b"bar 50%", b"bar 100%", b"", b"plain", b"win"], b"end")
 
 
 # --------------------------------------------------------------------------------------------

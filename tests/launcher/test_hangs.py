@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from conftest import crew, wait_until_gone, write_script
+from conftest import crew, ranks_saying, wait_until_gone, write_script
 
 from crew.launcher import joinwatch, stacks
 from crew.launcher.joinwatch import CONNECTING, JOINED, LISTENING, NOT_CONNECTED
@@ -304,14 +304,14 @@ def test_ranks_that_join_in_time_are_not_stopped(job_dir):
     assert result.code == 0, result.err
     assert "all 2 ranks joined the process group" in result.err
     assert "did not all join" not in result.err and "Fatal Python error" not in result.err
-    assert result.out.count("sum 2.0") == 2
+    assert ranks_saying(result.out, "sum 2.0") == [0, 1]
 
 
 def test_a_job_that_never_uses_the_master_port_gets_a_warning_not_a_stop(job_dir):
     write_script(job_dir, "solo.py", "import time; time.sleep(4); print('finished')\n")
     result = crew("run", "--num_gpus", "2", "--init_timeout", "1", "solo.py", cwd=job_dir, timeout=60)
     assert result.code == 0, result.err
-    assert result.out.count("finished") == 2
+    assert ranks_saying(result.out, "finished") == [0, 1]
     assert "no rank has connected to the master" in result.err and "crew keeps waiting" in result.err
 
 
@@ -357,7 +357,7 @@ def test_never_init_across_ssh_nodes_names_the_host(cluster, job_dir):
     assert "it has not called init_process_group" in report
     assert "  rank 0 (127.0.0.2): waiting in torch.distributed init_process_group" in report
     assert "  rank 1 (127.0.0.3): at script.py:5 in <module>" in report
-    assert "[127.0.0.3:1] Fatal Python error: Aborted" in result.err
+    assert 1 in ranks_saying(result.err, "Fatal Python error: Aborted")  # with rank 0's, if in time
     assert_nothing_left(job_dir)
 
 
