@@ -266,7 +266,8 @@ def _device(local_rank: int) -> torch.device:
 def _cast_half(inputs):
     """Floating-point tensors in (nested lists, tuples, dicts of) `inputs` as fp16."""
     if isinstance(inputs, (list, tuple)):
-        return inputs.__class__(_cast_half(value) for value in inputs)
+        cast = [_cast_half(value) for value in inputs]
+        return type(inputs)(*cast) if hasattr(inputs, "_fields") else type(inputs)(cast)  # namedtuple
     if isinstance(inputs, dict):
         return {key: _cast_half(value) for key, value in inputs.items()}
     if isinstance(inputs, torch.Tensor) and inputs.is_floating_point():

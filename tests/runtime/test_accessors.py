@@ -3,6 +3,8 @@ processes the global grad norm, was_step_applied, no_sync and batch-size changes
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from dist import run_ranks
@@ -289,3 +291,6 @@ def test_fp16_auto_cast_casts_the_positional_inputs():
     nested = _cast_half(([torch.ones(1), 3], {"a": torch.ones(1, dtype=torch.float64), "i": torch.ones(1).long()}))
     assert nested[0][0].dtype == nested[1]["a"].dtype == torch.float16 and nested[0][1] == 3
     assert nested[1]["i"].dtype == torch.int64
+    Pair = collections.namedtuple("Pair", "x y")
+    pair = _cast_half(Pair(torch.ones(1), 2))
+    assert type(pair) is Pair and pair.x.dtype == torch.float16 and pair.y == 2
