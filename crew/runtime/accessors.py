@@ -19,6 +19,7 @@ and `_clip_and_record_norm()` / `_record_skipped_step()` at the accumulation bou
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,6 +129,23 @@ class DeepSpeedAccessors:
 
     def dataloader_drop_last(self) -> bool:
         return self.config.dataloader_drop_last
+
+    def wall_clock_breakdown(self) -> bool:
+        """The config's value (crew does not time forward/backward/step: listed as no effect)."""
+        return self.config.wall_clock_breakdown
+
+    def memory_breakdown(self) -> bool:
+        return bool(self.config.raw.get("memory_breakdown", False))
+
+    def is_compiled(self) -> bool:
+        """False: crew does not compile the module (DeepSpeed's engine.compile() is not provided)."""
+        return False
+
+    def empty_partition_cache(self) -> None:
+        """Release cached device memory (DeepSpeed frees offloaded ZeRO-3 parameters' buffers)."""
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def optimizer_name(self) -> str | None:
         """The client optimizer's class name; else the config type, lower-cased for DeepSpeed's own

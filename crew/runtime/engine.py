@@ -244,8 +244,13 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         return checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
-        return checkpoint.save_16bit_model(self, save_dir, save_filename)
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's old name for save_16bit_model."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def log_batch_math(self, batches_per_epoch: int | None) -> None:
         accumulation = f"accumulation {self.gradient_accumulation_steps()}"

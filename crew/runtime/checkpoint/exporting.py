@@ -23,9 +23,11 @@ from crew.runtime.checkpoint.layout import (
 from crew.runtime.checkpoint.state import fp32_module_state
 
 
-def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
     """Rank 0 writes the module's weights in its training dtype (16-bit under fp16/bf16); at
-    stages 2-3 they are gathered from the shards first (a collective)."""
+    stages 2-3 they are gathered from the shards first (a collective). With
+    exclude_frozen_parameters, parameters that do not require grad are left out (buffers stay)."""
     from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
     gathered = None
     if engine.zero.shards_params:
@@ -33,8 +35,11 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     problem = None
     if comm.get_rank() == 0:
         dtype = engine.precision.dtype
+        frozen = {name for name, param in engine.module.named_parameters() if not param.requires_grad} \
+            if exclude_frozen_parameters else set()
         state = {name: value.to(dtype) if value.is_floating_point() else value
-                 for name, value in (gathered if gathered is not None else fp32_module_state(engine)).items()}
+                 for name, value in (gathered if gathered is not None else fp32_module_state(engine)).items()
+                 if name not in frozen}
         problem = attempt(write_state_dict, state, Path(save_dir) / save_filename)
     agree(problem, f"save_16bit_model({save_dir}, {save_filename})")
     return True

@@ -252,6 +252,11 @@ def test_export_to_safetensors_and_save_16bit_model(tmp_path):
     half = torch.load(tmp_path / "out" / "weights.bin", weights_only=True)
     assert half["0.weight"].dtype == torch.bfloat16
     make_model().load_state_dict(half)
+    engine.module[0].weight.requires_grad_(False)
+    engine.save_fp16_model(tmp_path / "out", "all.bin")  # DeepSpeed's old name
+    engine.save_16bit_model(tmp_path / "out", "trainable.bin", exclude_frozen_parameters=True)
+    assert set(torch.load(tmp_path / "out" / "all.bin", weights_only=True)) == set(half)
+    assert set(torch.load(tmp_path / "out" / "trainable.bin", weights_only=True)) == set(half) - {"0.weight"}
 
 
 def test_export_of_a_folder_without_checkpoint_is_a_clear_error(tmp_path):
