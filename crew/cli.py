@@ -23,6 +23,7 @@ from crew.launcher.console import Console
 from crew.launcher.job import JobRun
 from crew.launcher.launch import Launch, agent_launches, format_layout, job_spec, local_devices, remote_nodes, resolve
 from crew.launcher.record import JobRecord
+from crew.launcher.timing import Timing
 from crew.units import parse_bytes, parse_count
 
 
@@ -100,6 +101,9 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     _option(group, "--python", default=sys.executable,
             help="Python on every node that runs crew's agent and the ranks "
                  "(default: this one, at the same path)")
+    _option(group, "--verbose", action="store_true",
+            help="list every node in crew's own lines (start-up times, the layout, the doctor's rows); "
+                 "by default many nodes are summed up: counts and the slowest few")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -113,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             node["command"] = command.get(node_rank)
         print(json.dumps(data, indent=2))
         return 0
-    print(format_layout(launch))
+    print(format_layout(launch, verbose=True))
     for name, value in launch.plan.env.items():
         print(f"  env {name}={shlex.quote(value)}")
     for a in launches:
@@ -124,6 +128,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     if not args.script:
         raise CrewError("crew run: name the training script, e.g. crew run train.py --deepspeed")
+    timing = Timing()
     launch = resolve(args)
     if launch.launcher in ("local", "standalone") and not (args.module or args.no_python):
         if not Path(args.script).is_file():
@@ -134,19 +139,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.skip_preflight:
         from crew.launcher import doctor
 
-        code = doctor.preflight(launch, args, console.say)
+        code = doctor.preflight(launch, args, console.say, args.verbose)
         if code:
             return code
+    timing.mark("preflight")
+    code = _run_attempts(launch, args, console, timing)
+    timing.mark("exit")
+    if timing.enabled:
+        console.say(timing.line())
+    return code
+
+
+def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console, timing: Timing) -> int:
     ports = {node.node_rank: node.ssh_port for node in launch.plan.nodes}
     for attempt in range(args.max_restarts + 1):
         job = job_spec(launch, args, restart_count=attempt, console="tty" if console.tty else "plain")
-        console.say(format_layout(launch, job.job_id))
+        console.say(format_layout(launch, job.job_id, args.verbose))
         if job.as_deepspeed:
             console.say("--as_deepspeed: `import deepspeed` is crew on every rank")
         record = JobRecord(job.log_dir, ["crew", *sys.argv[1:]], launch.launcher, console.say,
                            args.node_rank) if job.log_dir else None
-        run = JobRun(job, agent_launches(launch, job, args), console, ports, record)
+        run = JobRun(job, agent_launches(launch, job, args), console, ports, record, args.verbose)
         code = run.run()
+        if run.all_started_at is not None:
+            timing.mark("agents up", run.all_started_at)
+        timing.mark("ranks done", run.finished_at)
         if code == 0 or run.interrupted or attempt == args.max_restarts:
             return code
         console.say(f"restarting the job ({attempt + 1} of {args.max_restarts}).")

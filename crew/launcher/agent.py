@@ -33,7 +33,7 @@ from typing import BinaryIO
 import crew
 from crew.launcher import stacks
 from crew.launcher.joinwatch import JoinWatch
-from crew.launcher.proc import die_with_parent, signal_group
+from crew.launcher.proc import die_with_parent, seconds_since_exec, signal_group
 from crew.launcher.protocol import PROGRESS_MARK, STACKS_COMMAND, JobSpec, NodeSpec, node_arguments, read_job
 from crew.launcher.ranks import Output, Rank
 from crew.launcher.streams import IDLE_FLUSH_S, PROGRESS, Item, StreamSplitter
@@ -329,16 +329,6 @@ class Supervisor:
         return 0 if self.stop_reason is None else 128 + signal.SIGTERM
 
 
-def _seconds_since_exec() -> float:
-    """How long this process took to get here since exec: Python start-up and imports."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 def run(job: JobSpec, node_rank: int, watch_stdin: bool) -> int:
     events: queue.Queue = queue.Queue()
     output = Output(on_broken=lambda: events.put(("stop", "the launcher is gone")))
@@ -350,7 +340,7 @@ def run(job: JobSpec, node_rank: int, watch_stdin: bool) -> int:
         output.event("error", node=node_rank, host=node.host, message=problem)
         return 1
     started = time.monotonic()
-    boot_s = _seconds_since_exec()
+    boot_s = seconds_since_exec()
     try:
         ranks = spawn(job, node_rank)
     except OSError as exc:

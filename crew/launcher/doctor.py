@@ -23,6 +23,7 @@ from pathlib import Path
 
 from crew.errors import CrewError
 from crew.launcher import probe, runners
+from crew.launcher.job import LINE_MAX, fanout_window, fit_list
 from crew.launcher.launch import Launch, agent_launches, job_spec
 from crew.launcher.proc import signal_tree
 from crew.launcher.protocol import JobSpec, decode_event
@@ -34,6 +35,7 @@ FULL_TIMEOUT_S = 90.0
 VERSIONS = ("python", "torch", "crew", "cuda")
 SAVE_DIR_FLAGS = ("--save_dir", "--output_dir", "--checkpoint_dir")
 SHOWN_FILES = 8
+SHOWN_ROWS = 8  # the doctor's table groups alike nodes past this many, unless --verbose
 
 
 @dataclass
@@ -78,7 +80,9 @@ def run_probes(launch: Launch, args: argparse.Namespace, job: JobSpec, full: boo
     started = time.monotonic()
     timeout = FULL_TIMEOUT_S if full else QUICK_TIMEOUT_S
     others_done = threading.Event()  # node 0's probe listens on the master port until then
-    with ThreadPoolExecutor(max(1, len(launches))) as pool:
+    # At most the fan-out window of probes at once; node 0's is first and waits for the others (its
+    # master port must listen while they connect), so it takes one worker of at least two.
+    with ThreadPoolExecutor(max(2, min(len(launches), fanout_window()))) as pool:
         futures = [pool.submit(_run_one, a, job, timeout, others_done if 0 in a.node_ranks else None)
                    for a in launches]
         wait([f for f, a in zip(futures, launches, strict=True) if 0 not in a.node_ranks])
@@ -201,7 +205,7 @@ def _versions(reports: list[NodeReport], facts: dict[int, dict], full: bool) -> 
     for key in (*VERSIONS, "nccl") if full else VERSIONS:
         values = {r.node: str(facts[r.node].get(key) or "none") for r in reports}
         common = collections.Counter(values.values()).most_common(1)[0][0] if values else None
-        holders = ", ".join(r.host for r in reports if values[r.node] == common)
+        holders = fit_list("", [r.host for r in reports if values[r.node] == common], 80)
         for report in reports:
             value = values[report.node]
             if value == common:
@@ -356,12 +360,12 @@ def run_doctor(launch: Launch, args: argparse.Namespace) -> int:
     else:
         print(f"crew doctor: {len(reports)} node(s), launcher {launch.launcher}, master "
               f"{job.master_addr}:{job.master_port}, checked in {run.seconds:.1f} s\n")
-        print(format_table(reports))
-        print("\n" + format_problems(reports) if not ok else "\nevery check passed.")
+        print(format_table(reports, args.verbose))
+        print("\n" + format_problems(reports, args.verbose) if not ok else "\nevery check passed.")
     return 0 if ok else 1
 
 
-def preflight(launch: Launch, args: argparse.Namespace, say) -> int:
+def preflight(launch: Launch, args: argparse.Namespace, say, verbose: bool = False) -> int:
     """The quick checks before `crew run` starts any rank; 1 (and the problems said) to refuse."""
     if launch.launcher not in ("ssh", "pdsh"):
         return 0  # one machine (local), or nodes started by hand (standalone): nothing to compare
@@ -373,7 +377,7 @@ def preflight(launch: Launch, args: argparse.Namespace, say) -> int:
         say(f"preflight: {len(reports)} node(s) agree (python {first['python']}, torch {first['torch']}, "
             f"crew {first['crew']}, same script) in {run.seconds:.2f} s")
         return 0
-    say("preflight found problems; no rank was started:\n" + format_problems(reports)
+    say("preflight found problems; no rank was started:\n" + format_problems(reports, verbose)
         + "\n(`crew doctor` with the same options checks everything; --skip_preflight starts anyway.)")
     return 1
 
@@ -384,15 +388,57 @@ def _report_json(report: NodeReport) -> dict:
                        for name, c in report.checks.items()}}
 
 
-def format_table(reports: list[NodeReport]) -> str:
+def format_table(reports: list[NodeReport], verbose: bool = True) -> str:
+    """One row per node; past SHOWN_ROWS nodes (unless `verbose`), one row per group of nodes whose
+    checks all read the same, with a line that counts them first."""
     names = list(dict.fromkeys(name for r in reports for name in r.checks))
-    rows = [["node", "host", *names]]
-    for report in reports:
-        cells = [_cell(report.checks.get(name)) for name in names]
-        rows.append([str(report.node), report.host, *cells])
+    groups = group_reports(reports, names)
+    grouped = not verbose and len(reports) > SHOWN_ROWS
+    rows = [["nodes" if grouped else "node", "host", *names]]
+    for members in groups.values() if grouped else [[r] for r in reports]:
+        first = members[0]
+        rows.append([spans(r.node for r in members), _hosts(members),
+                     *(_cell(first.checks.get(name)) for name in names)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-                     for row in rows)
+    table = "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                      for row in rows)
+    return (summary_line(reports, names) + "\n" + table) if grouped else table
+
+
+def group_reports(reports: list[NodeReport], names: list[str]) -> dict[tuple, list[NodeReport]]:
+    """Nodes whose checks show the same cells, in node order of each group's first node."""
+    groups: dict[tuple, list[NodeReport]] = {}
+    for report in reports:
+        groups.setdefault(tuple(_cell(report.checks.get(name)) for name in names), []).append(report)
+    return groups
+
+
+def summary_line(reports: list[NodeReport], names: list[str]) -> str:
+    """`62 node(s) ok; 2 differ: a (node 3), b (node 9)`, within LINE_MAX characters."""
+    bad = [r for r in reports if not r.ok]
+    head = f"{len(reports) - len(bad)} node(s) ok"
+    if not bad:
+        return head + (", all alike" if len(group_reports(reports, names)) == 1 else "")
+    return fit_list(f"{head}; {len(bad)} fail: ", [f"{r.host} (node {r.node})" for r in bad])
+
+
+def spans(numbers) -> str:
+    """`0-61,63`: node numbers as ranges."""
+    numbers = sorted(numbers)
+    out: list[list[int]] = []
+    for n in numbers:
+        if out and n == out[-1][1] + 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+    return text if len(text) <= 24 else f"{numbers[0]}..{numbers[-1]} ({len(numbers)})"
+
+
+def _hosts(members: list[NodeReport]) -> str:
+    if len(members) == 1:
+        return members[0].host
+    return f"{members[0].host} +{len(members) - 1}"
 
 
 def _cell(check: Check | None) -> str:
@@ -401,11 +447,22 @@ def _cell(check: Check | None) -> str:
     return check.value if check.status == "ok" else f"✗ {check.value}"
 
 
-def format_problems(reports: list[NodeReport]) -> str:
-    lines = []
+def format_problems(reports: list[NodeReport], verbose: bool = True) -> str:
+    """Each failed check with its fix. Past SHOWN_ROWS nodes (unless `verbose`), the same problem on several
+    nodes (the same text but for the host name) is said once, naming the first few nodes."""
+    grouped = not verbose and len(reports) > SHOWN_ROWS
+    groups: dict[tuple, list[tuple[NodeReport, Check]]] = {}
     for report in reports:
         for check in report.checks.values():
             if check.status == "fail":
-                lines.append(f"✗ {report.host} (node {report.node}) {check.name}: {check.detail}")
-                lines += [f"    {line}" for line in f"fix: {check.fix}".splitlines()]
+                key = (check.name, check.detail.replace(report.host, "{host}"),
+                       check.fix.replace(report.host, "{host}")) if grouped else (report.node, check.name)
+                groups.setdefault(key, []).append((report, check))
+    lines = []
+    for members in groups.values():
+        report, check = members[0]
+        where = [f"{r.host} (node {r.node})" for r, _ in members]
+        head = where[0] if len(members) == 1 else fit_list(f"{len(members)} nodes: ", where, LINE_MAX // 2)
+        lines.append(f"✗ {head} {check.name}: {check.detail}")
+        lines += [f"    {line}" for line in f"fix: {check.fix}".splitlines()]
     return "\n".join(lines)

@@ -17,8 +17,10 @@ stdout and stderr (merged, progress bars drawn or thinned) in `console`; the job
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -34,6 +36,12 @@ from crew.launcher.runners import AgentLaunch, ssh_fix
 
 STOP_WAIT_S = 15.0  # after asking agents to stop: their grace period plus this, then SIGKILL
 AGENT_TAIL_LINES = 20
+# At most this many agents connecting at once (pdsh's -f; CREW_FANOUT): the rest start as those report
+# their ranks started, so the launcher's ssh handshakes and the nodes' Python start-ups overlap boundedly.
+FANOUT = 32
+FANOUT_ENV = "CREW_FANOUT"
+LINE_MAX = 200  # crew's own lines stay this short whatever the node count (--verbose: every node)
+SLOWEST = 3
 
 
 @dataclass
@@ -41,15 +49,22 @@ class Agent:
     launch: AgentLaunch
     proc: subprocess.Popen
     started_at: float
+    connecting: bool = True  # until its nodes report their ranks started, or it ends
     stderr_tail: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=AGENT_TAIL_LINES))
 
 
 class JobRun:
     def __init__(self, job: JobSpec, launches: list[AgentLaunch], console: Console,
-                 ports: dict[int, int | None] | None = None, record: JobRecord | None = None):
+                 ports: dict[int, int | None] | None = None, record: JobRecord | None = None,
+                 verbose: bool = False, fanout: int | None = None):
         self.job, self.launches, self.console = job, launches, console
-        self.ports, self.record = ports or {}, record
+        self.ports, self.record, self.verbose = ports or {}, record, verbose
+        self.fanout = fanout or fanout_window()
+        self.pending = collections.deque(launches)  # not started yet: the fan-out window is full
+        self.connecting = 0  # agents started whose ranks are not all up yet (nor have they ended)
+        self.all_started_at: float | None = None  # monotonic: every node reported its ranks started
+        self.finished_at: float | None = None  # monotonic: every agent has exited
         self.events: queue.Queue = queue.Queue()
         self.agents: list[Agent] = []
         self.failure: FirstFailure | None = None
@@ -66,10 +81,9 @@ class JobRun:
         if self.record:
             self.record.start(self.job)
         try:
-            for launch in self.launches:
-                if self.failure is None:
-                    self._start(launch)
+            self._start_more()
             self._supervise()
+            self.finished_at = time.monotonic()
             report = self.hangs.report()
             if report:
                 self.console.say(report)
@@ -92,6 +106,19 @@ class JobRun:
                 sig, lambda num, _: self.events.put(("signal", None, signal.Signals(num).name)))
         return previous
 
+    def _start_more(self) -> None:
+        """Start agents until the window is full. In this (the main) thread: a child's parent-death
+        signal follows the thread that started it, so a worker thread's end would kill its ssh."""
+        while self.pending and self.connecting < self.fanout and not self._stopping():
+            self._start(self.pending.popleft())
+        if self._stopping():
+            self.pending.clear()
+
+    def _connected(self, agent: Agent) -> None:
+        if agent.connecting:
+            agent.connecting = False
+            self.connecting -= 1
+
     def _start(self, launch: AgentLaunch) -> None:
         try:
             proc = runners.start(launch)
@@ -103,6 +130,7 @@ class JobRun:
         agent = Agent(launch, proc, time.monotonic())
         index = len(self.agents)
         self.agents.append(agent)
+        self.connecting += 1
         if launch.spec_on_stdin:
             try:
                 proc.stdin.write(self.job.to_line())
@@ -140,7 +168,7 @@ class JobRun:
 
     def _supervise(self) -> None:
         running = len(self.agents)
-        while running:
+        while running or self.pending:
             try:
                 kind, index, value = self.events.get(timeout=self._time_left())
             except queue.Empty:
@@ -149,9 +177,13 @@ class JobRun:
                 self._on_event(index, value)
             elif kind == "exited":
                 running -= 1
+                self._connected(self.agents[index])
                 self._on_agent_exit(self.agents[index])
             elif kind == "signal":
                 self._on_signal(value)
+            before = len(self.agents)
+            self._start_more()
+            running += len(self.agents) - before
             now = time.monotonic()
             if self._stop_deadline is not None and now >= self._stop_deadline:
                 self._kill_agents()
@@ -180,10 +212,13 @@ class JobRun:
     def _on_event(self, index: int, event: dict) -> None:
         kind = event.get("event")
         if kind == "started":
-            self.started[event["node"]] = {**event, "at": time.monotonic(),
-                                           "agent_at": self.agents[index].started_at}
+            agent = self.agents[index]
+            self.started[event["node"]] = {**event, "at": time.monotonic(), "agent_at": agent.started_at}
             self.hangs.node_started(event["node"])
+            if all(node in self.started for node in agent.launch.node_ranks):
+                self._connected(agent)
             if len(self.started) == len(self.job.nodes):
+                self.all_started_at = time.monotonic()
                 self._report_startup()
         elif kind == "join":
             self.hangs.on_join(event)
@@ -252,16 +287,11 @@ class JobRun:
         self._stop_deadline = None
 
     def _report_startup(self) -> None:
-        parts = []
-        for node_rank in sorted(self.started):
-            info = self.started[node_rank]
-            total = info["at"] - info["agent_at"]
-            connect = max(0.0, total - info["boot_s"] - info["spawn_s"])
-            parts.append(f"{info['host']}: connect {connect:.2f}s, agent {info['boot_s']:.2f}s, "
-                         f"ranks spawned {info['spawn_s']:.2f}s")
-        slowest = max(i["at"] - i["agent_at"] for i in self.started.values())
-        self.console.say(f"all {len(self.started)} node(s) started in {slowest:.2f}s ("
-                         + "; ".join(parts) + ")")
+        times = startup_times(self.started)
+        for line in startup_lines(times, self.verbose):
+            self.console.say(line)
+        if self.record:
+            self.record.startup(times)
 
     def _describe_agent_failure(self, agent: Agent, code: int) -> str:
         tail = "\n".join(f"    {line}" for line in agent.stderr_tail) or "    (nothing)"
@@ -278,6 +308,58 @@ class JobRun:
         if self.interrupted is not None:
             return 128 + signal.Signals[self.interrupted].value
         return 0
+
+
+def fanout_window(environ: dict[str, str] | None = None) -> int:
+    value = (os.environ if environ is None else environ).get(FANOUT_ENV, "")
+    return max(1, int(value)) if value.isdigit() else FANOUT
+
+
+def startup_times(started: dict[int, dict]) -> dict[int, dict]:
+    """Each node's start-up, from its `started` event: ssh connect, the agent's Python start and imports,
+    spawning its ranks, and the total from the launcher's start of its agent."""
+    times = {}
+    for node, info in sorted(started.items()):
+        total = info["at"] - info["agent_at"]
+        times[node] = {"host": info["host"], "total": round(total, 3),
+                       "connect": round(max(0.0, total - info["boot_s"] - info["spawn_s"]), 3),
+                       "agent": info["boot_s"], "spawn": info["spawn_s"]}
+    return times
+
+
+def startup_lines(times: dict[int, dict], verbose: bool = False) -> list[str]:
+    """`all N node(s) started` in one line of at most LINE_MAX characters: every node's times when they
+    fit, else the medians and the slowest nodes; --verbose adds one line per node."""
+    def node_text(t: dict) -> str:
+        return (f"{t['host']}: connect {t['connect']:.2f}s, agent {t['agent']:.2f}s, "
+                f"ranks spawned {t['spawn']:.2f}s")
+
+    slowest = max(t["total"] for t in times.values())
+    head = f"all {len(times)} node(s) started in {slowest:.2f}s"
+    line = f"{head} (" + "; ".join(node_text(t) for t in times.values()) + ")"
+    if len(line) > LINE_MAX or verbose:
+        def median(key: str) -> float:
+            return statistics.median(t[key] for t in times.values())
+
+        line = (f"{head}; per node (median): connect {median('connect'):.2f}s, agent {median('agent'):.2f}s, "
+                f"ranks spawned {median('spawn'):.2f}s")
+        ranked = sorted(times.values(), key=lambda t: -t["total"])
+        line = fit_list(line + "; slowest: ", [f"{t['host']} {t['total']:.2f}s" for t in ranked[:SLOWEST]])
+    if not verbose:
+        return [line]
+    return [line, *(f"  node {node}: {node_text(t)}, total {t['total']:.2f}s" for node, t in times.items())]
+
+
+def fit_list(head: str, items: list[str], limit: int = LINE_MAX) -> str:
+    """`head` and as many of `items` as fit in `limit` characters, with how many were left out."""
+    line = head
+    for count, item in enumerate(items):
+        more = f" (+{len(items) - count - 1} more)" if count + 1 < len(items) else ""
+        candidate = line + (", " if count else "") + item
+        if len(candidate + more) > limit and count:
+            return line + f" (+{len(items) - count} more)"
+        line = candidate
+    return line[:limit]
 
 
 def _exit_code(code: int) -> int:

@@ -19,10 +19,11 @@ from crew.errors import LaunchError, PlanError
 from crew.launcher import runners
 from crew.launcher.env import gather_env
 from crew.launcher.hostfile import Host, is_number, read_hostfile
-from crew.launcher.plan import Plan, build_plan, is_local_name, select_hosts
+from crew.launcher.plan import NodePlan, Plan, build_plan, is_local_name, select_hosts
 from crew.launcher.protocol import JobSpec, NodeSpec
 
 LOCAL_HOST = "localhost"
+SHOWN_NODES = 8  # crew run's layout lists this many nodes at most, unless --verbose
 CONSOLE_ENV = "CREW_CONSOLE"
 
 
@@ -142,17 +143,31 @@ def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,
     return runners.local_launches(job, args.python, args.node_rank or 0, module, extra)
 
 
-def format_layout(launch: Launch, job_id: str | None = None) -> str:
+def format_layout(launch: Launch, job_id: str | None = None, verbose: bool = True) -> str:
+    """The job's header line and one line per node; past SHOWN_NODES nodes (unless `verbose`), the first
+    few and the last, and a count of the ones between."""
     plan = launch.plan
     head = f"job {job_id} · " if job_id else ""
     lines = [f"{head}{plan.world_size} rank(s) on {len(plan.nodes)} node(s) · launcher "
              f"{launch.launcher} · master {plan.master_addr}:{plan.master_port}"]
-    for node in plan.nodes:
-        port = f" (ssh port {node.ssh_port})" if node.ssh_port else ""
-        ranks = f"{node.ranks[0]}-{node.ranks[-1]}" if len(node.ranks) > 1 else f"{node.ranks[0]}"
-        devices = ",".join(map(str, node.slots))
-        lines.append(f"  node {node.node_rank}: {node.host}{port} → ranks {ranks} → devices {devices}")
+    nodes = list(plan.nodes)
+    if not verbose and len(nodes) > SHOWN_NODES:
+        hidden = nodes[SHOWN_NODES - 2:-1]
+        slots = sorted({len(node.slots) for node in hidden})
+        each = f"{slots[0]} rank(s) each" if len(slots) == 1 else f"{slots[0]}-{slots[-1]} ranks each"
+        lines += [_layout_line(node) for node in nodes[:SHOWN_NODES - 2]]
+        lines.append(f"  ... nodes {hidden[0].node_rank}-{hidden[-1].node_rank} ({len(hidden)} more, "
+                     f"{each}; --verbose lists every node)")
+        nodes = nodes[-1:]
+    lines += [_layout_line(node) for node in nodes]
     return "\n".join(lines)
+
+
+def _layout_line(node: NodePlan) -> str:
+    port = f" (ssh port {node.ssh_port})" if node.ssh_port else ""
+    ranks = f"{node.ranks[0]}-{node.ranks[-1]}" if len(node.ranks) > 1 else f"{node.ranks[0]}"
+    devices = ",".join(map(str, node.slots))
+    return f"  node {node.node_rank}: {node.host}{port} → ranks {ranks} → devices {devices}"
 
 
 def remote_nodes(launch: Launch) -> list[tuple[str, int | None]]:

@@ -51,3 +51,13 @@ def signal_tree(pid: int, sig: signal.Signals) -> None:
             os.kill(child, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def seconds_since_exec() -> float:
+    """How long this process has run since exec: Python start-up and imports, when asked early."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0

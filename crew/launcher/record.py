@@ -8,7 +8,8 @@ another's. The fields:
 
 - `job_id`, `command` (crew's own command line, as a list), `cwd`, `launcher`, `restart_count`
 - `started_at`, `ended_at`: ISO 8601 with the UTC offset (`ended_at` is null while the job runs)
-- `world_size`, `nodes`: one {`host`, `ranks`} per node
+- `world_size`, `nodes`: one {`host`, `ranks`} per node, and once every node's ranks started, its
+  `startup_s`: {`connect`, `agent`, `spawn`, `total`} (the console shows only the slowest few)
 - `status`: `running`, `succeeded`, `failed` or `interrupted`
 - `exit_codes`: {rank: code} for the ranks whose node reported them, as a shell shows a code (128+N for
   signal N; the ranks crew stopped after a failure show 143, SIGTERM)
@@ -63,6 +64,13 @@ class JobRecord:
             "world_size": job.world_size,
             "nodes": [{"host": node.host, "ranks": list(node.ranks)} for node in job.nodes],
             "status": "running", "exit_codes": {}, "first_failure": None, "exit_code": None}
+        self._write()
+
+    def startup(self, times: dict[int, dict]) -> None:
+        """Every node's start-up seconds (connect, agent, spawn, total), which the console sums up."""
+        for node, entry in enumerate(self.data.get("nodes", [])):
+            if node in times:
+                entry["startup_s"] = {k: v for k, v in times[node].items() if k != "host"}
         self._write()
 
     def finish(self, exit_code: int, status: str, codes: dict[int, int],

@@ -128,7 +128,9 @@ def test_a_file_gets_bars_thinned_and_the_logs_every_byte(job_dir):
     job_id = re.search(r"crew: job (\w+) ", result.err).group(1)
     assert record["job_id"] == job_id and record["command"] == ["crew", "run", "--num_gpus", "2", "--log_dir",
                                                                 "logs", "bar.py"]
-    assert record["world_size"] == 2 and record["nodes"] == [{"host": "localhost", "ranks": [0, 1]}]
+    [node] = record["nodes"]
+    assert record["world_size"] == 2 and (node["host"], node["ranks"]) == ("localhost", [0, 1])
+    assert set(node["startup_s"]) == {"connect", "agent", "spawn", "total"}  # the console shows a summary
     assert (record["status"], record["exit_code"], record["exit_codes"]) == ("succeeded", 0, {"0": 0, "1": 0})
     assert record["first_failure"] is None and record["launcher"] == "local"
     started, ended = (datetime.datetime.fromisoformat(record[k]) for k in ("started_at", "ended_at"))
