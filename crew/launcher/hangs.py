@@ -131,7 +131,7 @@ class HangWatch:
     def _ranks_at(self, ranks: list[int]) -> str:
         """`ranks 0-1 (a), rank 2 (b)`, or `none`."""
         items = [(rank, self.hosts.get(rank, "?"), "") for rank in ranks]
-        return ", ".join(f"{stacks.rank_list(group)} ({host})" for group, host, _ in stacks.grouped(items)) or "none"
+        return ", ".join(f"{stacks.rank_list(group)} ({host})" for group, host, _ in stacks.merged(items)) or "none"
 
     def _places(self) -> dict[int, stacks.Where | None]:
         """Where each rank that sent its stack was."""
@@ -157,7 +157,7 @@ class HangWatch:
                  f"(--init_timeout); master {master} (MASTER_ADDR:MASTER_PORT).",
                  f"  joined: {self._ranks_at(joined)}"]
         lines += [f"  missing: {stacks.rank_list(ranks)} on {host}: {cause}"
-                  for ranks, host, cause in stacks.grouped(self._missing(places))]
+                  for ranks, host, cause in stacks.merged(self._missing(places))]
         if self.stacks_possible:
             lines += self._where_lines(places, {})
         else:
@@ -225,7 +225,7 @@ class HangWatch:
         if late:
             call = own.call if own and own.call else "the collective"
             return ["did not arrive: " + "; ".join(f"{stacks.rank_list(ranks)} ({host}) at {where}"
-                                                   for ranks, host, where in stacks.grouped(late)),
+                                                   for ranks, host, where in stacks.merged(late)),
                     f"The other ranks waited for them in {call} until its timeout: see what kept them "
                     "(slow start-up or data loading, a rank-dependent branch, an extra step)."]
         if len(places) == len(self.hosts) and all(places.values()):

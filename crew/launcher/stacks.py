@@ -149,8 +149,8 @@ def describe(place: Where | None, verb: str = "waiting") -> str:
     return f"at {place.location}"
 
 
-def rank_list(ranks: Iterable[int]) -> str:
-    """`rank 3` or `ranks 0-3, 6`."""
+def rank_list(ranks: Iterable[int], limit: int = 60) -> str:
+    """`rank 3` or `ranks 0-3, 6`; spans past `limit` characters end in `… (N ranks)`."""
     ranks = sorted(set(ranks))
     spans: list[list[int]] = []
     for rank in ranks:
@@ -158,7 +158,15 @@ def rank_list(ranks: Iterable[int]) -> str:
             spans[-1][1] = rank
         else:
             spans.append([rank, rank])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in spans]
+    text = ", ".join(parts)
+    if len(text) > limit:
+        kept = []
+        for part in parts:
+            if len(", ".join([*kept, part])) > limit:
+                break
+            kept.append(part)
+        text = ", ".join(kept) + f", … ({len(ranks)} ranks)"
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
@@ -170,6 +178,26 @@ def grouped(items: Iterable[tuple[int, str, str]]) -> list[tuple[list[int], str,
     return [(ranks, host, text) for (host, text), ranks in sorted(groups.items(), key=lambda g: min(g[1]))]
 
 
+MANY_HOSTS = 3  # more hosts than this with the same text: one group, named by a count and a few hosts
+
+
+def merged(items: Iterable[tuple[int, str, str]]) -> list[tuple[list[int], str, str]]:
+    """Like grouped(), but a text shared by more than MANY_HOSTS hosts is one group whose host is
+    `N nodes, e.g. a, b, c`: a report stays a few short lines on any number of nodes."""
+    items = list(items)
+    by_text: dict[str, set[str]] = {}
+    for _, host, text in items:
+        by_text.setdefault(text, set()).add(host)
+    wide = {text for text, hosts in by_text.items() if len(hosts) > MANY_HOSTS}
+    groups = grouped((rank, host, text) for rank, host, text in items if text not in wide)
+    for text in wide:
+        ranks = sorted(rank for rank, _, other in items if other == text)
+        hosts = list(dict.fromkeys(host for rank, host, other in sorted(items) if other == text))
+        groups.append((ranks, f"{len(hosts)} nodes, e.g. {', '.join(hosts[:MANY_HOSTS])}", text))
+    return sorted(groups, key=lambda group: min(group[0]))
+
+
 def group_lines(items: Iterable[tuple[int, str, str]]) -> list[str]:
-    """(rank, host, text) as lines `ranks 0-3 (host): text`, one per host and text, in rank order."""
-    return [f"{rank_list(ranks)} ({host}): {text}" for ranks, host, text in grouped(items)]
+    """(rank, host, text) as lines `ranks 0-3 (host): text`, one per host and text (hosts merged when
+    many share a text), in rank order."""
+    return [f"{rank_list(ranks)} ({host}): {text}" for ranks, host, text in merged(items)]

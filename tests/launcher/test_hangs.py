@@ -245,6 +245,15 @@ def test_rank_lists_and_grouping():
         "ranks 0-1 (a): x", "rank 2 (b): x", "rank 3 (b): y"]
 
 
+def test_reports_stay_short_on_many_nodes():
+    waiting = [(rank, f"127.0.0.{rank // 2 + 2}", "waiting in all_reduce (train.py:10)") for rank in range(128)]
+    lines = stacks.group_lines([*waiting, (128, "127.0.1.1", "in step (train.py:12)")])
+    assert lines == ["ranks 0-127 (64 nodes, e.g. 127.0.0.2, 127.0.0.3, 127.0.0.4): waiting in all_reduce "
+                     "(train.py:10)", "rank 128 (127.0.1.1): in step (train.py:12)"]
+    scattered = stacks.rank_list(range(0, 400, 2))
+    assert scattered.startswith("ranks 0, 2, 4, ") and scattered.endswith(", … (200 ranks)") and len(scattered) < 90
+
+
 # --------------------------------------------------------------------------------------------
 # real jobs
 
