@@ -20,7 +20,7 @@ from crew.errors import CrewError
 from crew.launcher import runners
 from crew.launcher.hostfile import is_number
 from crew.launcher.console import Console
-from crew.launcher.job import JobRun
+from crew.launcher.job import FANOUT, JobRun
 from crew.launcher.launch import Launch, agent_launches, format_layout, job_spec, local_devices, remote_nodes, resolve
 from crew.launcher.record import JobRecord
 from crew.launcher.timing import Timing
@@ -57,6 +57,12 @@ def _seconds(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds >= 0 (0 turns the check off)")
     return value
+
+
+def _window(text: str) -> int:
+    if not is_number(text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number >= 1")
+    return int(text)
 
 
 def _count(text: str) -> int:
@@ -101,6 +107,9 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     _option(group, "--python", default=sys.executable,
             help="Python on every node that runs crew's agent and the ranks "
                  "(default: this one, at the same path)")
+    _option(group, "--fanout", type=_window, default=FANOUT, metavar="N",
+            help=f"at most N nodes connecting at once, like pdsh's -f (default {FANOUT}); the rest start as "
+                 "those report their ranks started")
     _option(group, "--verbose", action="store_true",
             help="list every node in crew's own lines (start-up times, the layout, the doctor's rows); "
                  "by default many nodes are summed up: counts and the slowest few")
@@ -159,7 +168,8 @@ def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console, ti
             console.say("--as_deepspeed: `import deepspeed` is crew on every rank")
         record = JobRecord(job.log_dir, ["crew", *sys.argv[1:]], launch.launcher, console.say,
                            args.node_rank) if job.log_dir else None
-        run = JobRun(job, agent_launches(launch, job, args), console, ports, record, args.verbose)
+        run = JobRun(job, agent_launches(launch, job, args), console, ports, record, args.verbose,
+                     args.fanout)
         code = run.run()
         if run.all_started_at is not None:
             timing.mark("agents up", run.all_started_at)

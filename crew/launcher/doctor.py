@@ -23,7 +23,7 @@ from pathlib import Path
 
 from crew.errors import CrewError
 from crew.launcher import probe, runners
-from crew.launcher.job import LINE_MAX, fanout_window, fit_list
+from crew.launcher.job import FANOUT, LINE_MAX, fit_list
 from crew.launcher.launch import Launch, agent_launches, job_spec
 from crew.launcher.proc import signal_tree
 from crew.launcher.protocol import JobSpec, decode_event
@@ -82,7 +82,8 @@ def run_probes(launch: Launch, args: argparse.Namespace, job: JobSpec, full: boo
     others_done = threading.Event()  # node 0's probe listens on the master port until then
     # At most the fan-out window of probes at once; node 0's is first and waits for the others (its
     # master port must listen while they connect), so it takes one worker of at least two.
-    with ThreadPoolExecutor(max(2, min(len(launches), fanout_window()))) as pool:
+    window = getattr(args, "fanout", FANOUT)
+    with ThreadPoolExecutor(max(2, min(len(launches), window))) as pool:
         futures = [pool.submit(_run_one, a, job, timeout, others_done if 0 in a.node_ranks else None)
                    for a in launches]
         wait([f for f, a in zip(futures, launches, strict=True) if 0 not in a.node_ranks])

@@ -17,7 +17,6 @@ stdout and stderr (merged, progress bars drawn or thinned) in `console`; the job
 from __future__ import annotations
 
 import collections
-import os
 import queue
 import signal
 import statistics
@@ -36,10 +35,9 @@ from crew.launcher.runners import AgentLaunch, ssh_fix
 
 STOP_WAIT_S = 15.0  # after asking agents to stop: their grace period plus this, then SIGKILL
 AGENT_TAIL_LINES = 20
-# At most this many agents connecting at once (pdsh's -f; CREW_FANOUT): the rest start as those report
+# At most this many agents connecting at once (pdsh's -f; --fanout): the rest start as those report
 # their ranks started, so the launcher's ssh handshakes and the nodes' Python start-ups overlap boundedly.
 FANOUT = 32
-FANOUT_ENV = "CREW_FANOUT"
 LINE_MAX = 200  # crew's own lines stay this short whatever the node count (--verbose: every node)
 SLOWEST = 3
 
@@ -57,10 +55,10 @@ class Agent:
 class JobRun:
     def __init__(self, job: JobSpec, launches: list[AgentLaunch], console: Console,
                  ports: dict[int, int | None] | None = None, record: JobRecord | None = None,
-                 verbose: bool = False, fanout: int | None = None):
+                 verbose: bool = False, fanout: int = FANOUT):
         self.job, self.launches, self.console = job, launches, console
         self.ports, self.record, self.verbose = ports or {}, record, verbose
-        self.fanout = fanout or fanout_window()
+        self.fanout = max(1, fanout)
         self.pending = collections.deque(launches)  # not started yet: the fan-out window is full
         self.connecting = 0  # agents started whose ranks are not all up yet (nor have they ended)
         self.all_started_at: float | None = None  # monotonic: every node reported its ranks started
@@ -308,11 +306,6 @@ class JobRun:
         if self.interrupted is not None:
             return 128 + signal.Signals[self.interrupted].value
         return 0
-
-
-def fanout_window(environ: dict[str, str] | None = None) -> int:
-    value = (os.environ if environ is None else environ).get(FANOUT_ENV, "")
-    return max(1, int(value)) if value.isdigit() else FANOUT
 
 
 def startup_times(started: dict[int, dict]) -> dict[int, dict]:

@@ -47,10 +47,17 @@ def test_fit_list_says_how_many_were_left_out():
     assert job.fit_list("x: ", ["aaaa", "bbbb"], 40) == "x: aaaa, bbbb"
 
 
-def test_fanout_window_from_the_environment():
-    assert job.fanout_window({}) == job.FANOUT
-    assert job.fanout_window({"CREW_FANOUT": "4"}) == 4
-    assert job.fanout_window({"CREW_FANOUT": "0"}) == 1
+def test_the_fanout_window_from_the_flag_or_the_environment(monkeypatch, job_dir):
+    from crew.cli import build_parser
+
+    assert build_parser().parse_args(["run", "x.py"]).fanout == job.FANOUT
+    assert build_parser().parse_args(["run", "--fanout", "4", "x.py"]).fanout == 4
+    monkeypatch.setenv("CREW_FANOUT", "6")
+    assert build_parser().parse_args(["run", "x.py"]).fanout == 6
+    refused = crew("run", "--fanout", "0", "x.py", cwd=job_dir)
+    assert refused.code == 2 and "--fanout: '0' is not a whole number >= 1" in refused.err
+    refused = crew("run", "x.py", cwd=job_dir, env={"CREW_FANOUT": "many"})
+    assert refused.code == 2 and "'many' is not a whole number >= 1" in refused.err
 
 
 def test_layout_of_many_nodes_is_summed_up_unless_verbose():
