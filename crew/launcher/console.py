@@ -34,6 +34,7 @@ from typing import BinaryIO
 
 from crew.errors import CrewError
 from crew.launcher.protocol import PROGRESS_MARK
+from crew.launcher.ranges import rank_list, spans
 
 MERGE_WINDOW_S = 0.5  # how long a rank's line waits for the same line from other ranks
 PROGRESS_INTERVAL_S = 30.0  # not a terminal: at most one progress line per rank and stream this often
@@ -69,27 +70,9 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
-def compress_ranks(ranks: list[int]) -> str:
-    """[1, 2, 3, 5, 7, 8] -> '1-3, 5, 7-8'."""
-    parts: list[str] = []
-    values = sorted(set(ranks))
-    start = previous = values[0] if values else 0
-    for value in [*values[1:], None]:
-        if value is not None and value == previous + 1:
-            previous = value
-            continue
-        parts.append(str(start) if start == previous else f"{start}-{previous}")
-        if value is not None:
-            start = previous = value
-    return ", ".join(parts) if values else ""
-
-
 def also_on(ranks: list[int]) -> bytes:
     """The suffix of a merged line: ' (and on rank 1)', ' (and on ranks 1-63)'."""
-    if not ranks:
-        return b""
-    word = "rank" if len(ranks) == 1 else "ranks"
-    return f" (and on {word} {compress_ranks(ranks)})".encode()
+    return f" (and on {rank_list(ranks)})".encode() if ranks else b""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +165,7 @@ class Board:
 def summary(ranks: list[int], texts: list[str]) -> str:
     """'ranks 5-63: 41% … 47%' (the least and most done), or how many bars when they show no percentage."""
     percents = [float(m.group(1)) for m in map(_PERCENT.search, texts) if m]
-    head = f"ranks {compress_ranks(ranks)}: "
+    head = f"ranks {spans(ranks)}: "
     if not percents:
         return head + f"{len(texts)} bars"
     low, high = min(percents), max(percents)

@@ -27,6 +27,7 @@ from crew.launcher.job import FANOUT, LINE_MAX, fit_list
 from crew.launcher.launch import Launch, agent_launches, job_spec
 from crew.launcher.proc import signal_tree
 from crew.launcher.protocol import JobSpec, decode_event
+from crew.launcher.ranges import spans
 from crew.units import parse_bytes
 
 PROBE_MODULE = "crew.launcher.probe"
@@ -398,7 +399,7 @@ def format_table(reports: list[NodeReport], verbose: bool = True) -> str:
     rows = [["nodes" if grouped else "node", "host", *names]]
     for members in groups.values() if grouped else [[r] for r in reports]:
         first = members[0]
-        rows.append([spans(r.node for r in members), _hosts(members),
+        rows.append([node_spans(r.node for r in members), _hosts(members),
                      *(_cell(first.checks.get(name)) for name in names)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -423,16 +424,10 @@ def summary_line(reports: list[NodeReport], names: list[str]) -> str:
     return fit_list(f"{head}; {len(bad)} fail: ", [f"{r.host} (node {r.node})" for r in bad])
 
 
-def spans(numbers) -> str:
-    """`0-61,63`: node numbers as ranges."""
+def node_spans(numbers) -> str:
+    """`0-61,63`: node numbers as ranges, or `0..63 (62)` when that would be long."""
     numbers = sorted(numbers)
-    out: list[list[int]] = []
-    for n in numbers:
-        if out and n == out[-1][1] + 1:
-            out[-1][1] = n
-        else:
-            out.append([n, n])
-    text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+    text = spans(numbers, ",")
     return text if len(text) <= 24 else f"{numbers[0]}..{numbers[-1]} ({len(numbers)})"
 
 

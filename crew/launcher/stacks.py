@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from crew.launcher.ranges import rank_list
+
 _FATAL = "Fatal Python error:"
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+).*\(most recent call first\):$")
 _STACK = "Stack (most recent call first):"
@@ -147,27 +149,6 @@ def describe(place: Where | None, verb: str = "waiting") -> str:
     if place.call:
         return f"{verb} in {place.call}, called from {place.location}"
     return f"at {place.location}"
-
-
-def rank_list(ranks: Iterable[int], limit: int = 60) -> str:
-    """`rank 3` or `ranks 0-3, 6`; spans past `limit` characters end in `… (N ranks)`."""
-    ranks = sorted(set(ranks))
-    spans: list[list[int]] = []
-    for rank in ranks:
-        if spans and rank == spans[-1][1] + 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in spans]
-    text = ", ".join(parts)
-    if len(text) > limit:
-        kept = []
-        for part in parts:
-            if len(", ".join([*kept, part])) > limit:
-                break
-            kept.append(part)
-        text = ", ".join(kept) + f", … ({len(ranks)} ranks)"
-    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
 def grouped(items: Iterable[tuple[int, str, str]]) -> list[tuple[list[int], str, str]]:

@@ -11,15 +11,16 @@ from terminal import replay
 
 from crew.errors import CrewError
 from crew.launcher.console import (PROGRESS_INTERVAL_ENV, Board, Console, Merger, Thinner, also_on,
-                                   compress_ranks, env_seconds, fit, summary)
+                                   env_seconds, fit, summary)
 from crew.launcher.protocol import PROGRESS_MARK
+from crew.launcher.ranges import spans
 
 
 @pytest.mark.parametrize("ranks, text", [
     ([], ""), ([4], "4"), ([1, 2], "1-2"), ([1, 2, 3, 5, 7, 8], "1-3, 5, 7-8"), ([9, 1, 3, 2, 2], "1-3, 9"),
 ])
-def test_compress_ranks(ranks, text):
-    assert compress_ranks(ranks) == text
+def test_spans(ranks, text):
+    assert spans(ranks) == text
 
 
 def test_also_on():
