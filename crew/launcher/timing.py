@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 
+from crew.errors import CrewError
 from crew.launcher.proc import seconds_since_exec
 
 TIMING_ENV = "CREW_TIMING"
@@ -20,8 +21,10 @@ PHASES = ("preflight", "agents up", "ranks done", "exit")
 
 class Timing:
     def __init__(self, environ: dict[str, str] | None = None):
-        value = (os.environ if environ is None else environ).get(TIMING_ENV, "")
-        self.enabled = value.lower() in ("1", "true", "yes")
+        value = (os.environ if environ is None else environ).get(TIMING_ENV, "").lower()
+        if value not in ("", "0", "false", "no", "1", "true", "yes"):
+            raise CrewError(f"{TIMING_ENV}={value!r}: expected 1 (print the phase times) or 0.")
+        self.enabled = value in ("1", "true", "yes")
         self.origin = time.monotonic() - seconds_since_exec()
         self.marks: dict[str, float] = {}
 

@@ -58,7 +58,6 @@ class _CsvWriter:
     """DeepSpeed's csvMonitor: one file per tag, header `step,<last part of the tag>`."""
 
     def __init__(self, folder: str) -> None:
-        os.makedirs(folder, exist_ok=True)
         self.folder = folder
 
     def write(self, events: Sequence[Event]) -> None:
@@ -81,7 +80,6 @@ class _TensorBoardWriter:
     def __init__(self, folder: str) -> None:
         from torch.utils.tensorboard import SummaryWriter  # the tensorboard package: an optional extra
 
-        os.makedirs(folder, exist_ok=True)
         self.writer = SummaryWriter(log_dir=folder)
 
     def write(self, events: Sequence[Event]) -> None:
@@ -146,14 +144,24 @@ def _writers(config) -> list:
     writers: list = []
     if config.tensorboard.enabled:
         _require("tensorboard", "tensorboard", "crew[tensorboard]")
-        writers.append(_TensorBoardWriter(os.path.join(config.tensorboard.output_path,
-                                                       config.tensorboard.job_name)))
+        writers.append(_TensorBoardWriter(_folder(config.tensorboard, "tensorboard")))
     if config.csv_monitor.enabled:
-        writers.append(_CsvWriter(os.path.join(config.csv_monitor.output_path, config.csv_monitor.job_name)))
+        writers.append(_CsvWriter(_folder(config.csv_monitor, "csv_monitor")))
     if config.wandb.enabled:
         _require("wandb", "wandb", "wandb")
         writers.append(_WandbWriter(config.wandb))
     return writers
+
+
+def _folder(section, name: str) -> str:
+    """output_path/job_name, created; a ConfigError naming the keys when it cannot be."""
+    folder = os.path.join(section.output_path, section.job_name)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{name}.output_path / {name}.job_name: cannot create {folder!r} ({err.strerror or err}); "
+                          f"point {name}.output_path at a folder this user can write.") from None
+    return folder
 
 
 def _require(module: str, section: str, extra: str) -> None:

@@ -46,7 +46,7 @@ def test_checkpoint_gives_the_plain_gradients_without_configure():
     assert not checkpointing.is_configured()
 
 
-def test_configure_reads_the_section_of_a_config_file_and_each_setting_acts(tmp_path, capsys):
+def test_configure_reads_the_section_of_a_config_file_and_profile_logs_each_call(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8, "activation_checkpointing": {
         "cpu_checkpointing": True, "synchronize_checkpoint_boundary": True, "profile": True}}))

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import crew, write_script
 
+from crew.errors import CrewError
 from crew.launcher import doctor, job
 from crew.launcher.hostfile import Host
 from crew.launcher.launch import Launch, format_layout
 from crew.launcher.plan import build_plan
+from crew.launcher.timing import Timing
 
 LINE_MAX = 200
 NOOP = """
@@ -136,3 +139,10 @@ def test_nine_nodes_short_lines_and_the_doctor_grouped(make_cluster, job_dir):
     assert grouped == [[f"0-{nodes - 1}", "127.0.0.2", f"+{nodes - 1}", "ok"]]
     assert max(map(len, lines)) <= LINE_MAX
 
+
+
+def test_crew_timing_takes_a_switch_and_names_a_bad_one():
+
+    assert Timing({"CREW_TIMING": "1"}).enabled and not Timing({}).enabled and not Timing({"CREW_TIMING": "0"}).enabled
+    with pytest.raises(CrewError, match=r"CREW_TIMING='maybe': expected 1"):
+        Timing({"CREW_TIMING": "maybe"})

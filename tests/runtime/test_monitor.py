@@ -158,3 +158,15 @@ def test_wandb_gets_deepspeeds_init_and_one_log_per_event(tmp_path, monkeypatch,
     assert [(list(data), step) for _, data, step in wandb.calls[1:]] == [
         (["Train/Samples/train_loss"], 2), (["Train/Samples/lr"], 2)]
     assert wandb.calls[2][1] == {"Train/Samples/lr": 0.1}
+
+
+def test_an_output_path_that_cannot_be_created_names_the_keys(tmp_path):
+    import crew
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"csv_monitor.output_path / csv_monitor.job_name: cannot create "
+                                          r".*a_file/job.*point csv_monitor.output_path at a folder"):
+        crew.initialize(model=make_model(), config={
+            "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "csv_monitor": {"enabled": True, "output_path": str(blocker), "job_name": "job"}})
