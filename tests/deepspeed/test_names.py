@@ -159,7 +159,7 @@ def test_full_grads_are_the_same_at_stages_0_and_3(ranks):
 
 
 @pytest.mark.parametrize("index", [0, 1])
-def test_zero_to_fp32_on_crew_checkpoints(ranks, tmp_path, index):
+def test_zero_to_fp32_on_crew_checkpoints(ranks, tmp_path, index, capsys):
     from crew.deepspeed.utils.zero_to_fp32 import (
         convert_zero_checkpoint_to_fp32_state_dict,
         get_fp32_state_dict_from_zero_checkpoint,
@@ -173,6 +173,12 @@ def test_zero_to_fp32_on_crew_checkpoints(ranks, tmp_path, index):
     for name, value in expected.items():
         assert state[name].dtype == torch.float32 and torch.equal(state[name], value), name
     assert get_fp32_state_dict_from_zero_checkpoint(folders[index], tag="global_step1").keys() == state.keys()
+    from crew.log import warn_once
+
+    warn_once.cache_clear()
+    with_frozen = get_fp32_state_dict_from_zero_checkpoint(folders[index], exclude_frozen_parameters=True)
+    assert with_frozen.keys() == state.keys()  # crew's checkpoints do not record which were frozen: it says so
+    assert "exclude_frozen_parameters has no effect" in capsys.readouterr().out
 
     written = convert_zero_checkpoint_to_fp32_state_dict(folders[index], tmp_path / "out")
     assert written == tmp_path / "out" / "pytorch_model.bin"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from crew.log import warn_once
 from crew.runtime.checkpoint import CheckpointError, export, read_latest
 from crew.runtime.checkpoint.exporting import read_fp32_module
 from crew.runtime.checkpoint.layout import MANIFEST
@@ -39,7 +40,14 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
     """The checkpoint's module state, floating-point tensors in fp32, on the CPU. crew's checkpoints
     keep frozen parameters with the rest and exclude_frozen_parameters does not drop them; lazy_mode
     is accepted and the tensors are real ones (`.contiguous()` on them works as in DeepSpeed)."""
+    _frozen_kept(exclude_frozen_parameters)
     return read_fp32_module(_tag_folder(checkpoint_dir, tag))
+
+
+def _frozen_kept(exclude_frozen_parameters: bool) -> None:
+    if exclude_frozen_parameters:
+        warn_once("zero_to_fp32: exclude_frozen_parameters has no effect on crew's checkpoints, which do not "
+                  "record which parameters were frozen: every parameter is in the state dict.")
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
@@ -48,6 +56,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
     """Write the fp32 weights to output_dir/pytorch_model.bin (model.safetensors with
     safe_serialization). crew writes one file and does not shard it (max_shard_size is ignored). A
     path ending in .bin, .pt or .safetensors is the file itself (DeepSpeed's older signature)."""
+    _frozen_kept(exclude_frozen_parameters)
     out = Path(output_dir)
     if out.suffix not in _FILE_SUFFIXES:
         out = out / ("model.safetensors" if safe_serialization else "pytorch_model.bin")
