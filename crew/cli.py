@@ -20,6 +20,7 @@ from crew.errors import CrewError
 from crew.launcher import runners
 from crew.launcher.hostfile import is_number
 from crew.launcher.console import Console
+from crew.launcher.gate import PreflightGate
 from crew.launcher.job import FANOUT, JobRun
 from crew.launcher.launch import Launch, agent_launches, format_layout, job_spec, local_devices, remote_nodes, resolve
 from crew.launcher.record import JobRecord
@@ -145,13 +146,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     console = Console(sys.stdout.buffer, sys.stderr.buffer)
     if args.sync:
         sync_code(launch, args, [], console.say)
-    if not args.skip_preflight:
+    if not args.skip_preflight and launch.launcher == "pdsh":  # over ssh, the agents do it (gate)
         from crew.launcher import doctor
 
         code = doctor.preflight(launch, args, console.say, args.verbose)
         if code:
             return code
-    timing.mark("preflight")
+        timing.mark("preflight")
     code = _run_attempts(launch, args, console, timing)
     timing.mark("exit")
     if timing.enabled:
@@ -168,9 +169,12 @@ def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console, ti
             console.say("--as_deepspeed: `import deepspeed` is crew on every rank")
         record = JobRecord(job.log_dir, ["crew", *sys.argv[1:]], launch.launcher, console.say,
                            args.node_rank) if job.log_dir else None
-        run = JobRun(job, agent_launches(launch, job, args), console, ports, record, args.verbose,
-                     args.fanout)
+        gate = _preflight_gate(launch, job, args) if attempt == 0 else None
+        run = JobRun(job, agent_launches(launch, job, args, extra=("--preflight",) if gate else ()), console,
+                     ports, record, args.verbose, args.fanout, gate)
         code = run.run()
+        if gate and gate.decided_at is not None:
+            timing.mark("preflight", gate.decided_at)
         if run.all_started_at is not None:
             timing.mark("agents up", run.all_started_at)
         timing.mark("ranks done", run.finished_at)
@@ -178,6 +182,16 @@ def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console, ti
             return code
         console.say(f"restarting the job ({attempt + 1} of {args.max_restarts}).")
     return code
+
+
+def _preflight_gate(launch: Launch, job, args: argparse.Namespace) -> PreflightGate | None:
+    """Over ssh, the agents run the preflight's quick checks and wait for the verdict (one ssh login per
+    node); pdsh gives them no stdin to wait on, so there it runs first, on its own (cmd_run)."""
+    if args.skip_preflight or launch.launcher != "ssh":
+        return None
+    from crew.launcher import doctor
+
+    return PreflightGate(len(job.nodes), doctor.preflight_judge(launch, job, args.verbose))
 
 
 def sync_code(launch: Launch, args: argparse.Namespace, paths: list[str], say) -> None:

@@ -9,6 +9,10 @@ Used by the tests and by benchmarks/launch.py.
 A node can get its own view of the filesystem: its sshd starts in a mount namespace of its own
 (`unshare --mount`) with bind mounts, so a file or folder at one path differs on that node only, as
 on a real second machine. Every command run over ssh on that node inherits the view.
+
+`clean_login=True` gives every login HOME=<root>/home, an empty folder (sshd's `SetEnv`, OpenSSH
+>= 8.7), so the login shell sources no ~/.bashrc of this machine's user; authorized_keys is looked up
+by path (AuthorizedKeysFile), not under HOME, so logins still work.
 """
 
 from __future__ import annotations
@@ -99,7 +103,8 @@ class Cluster:
 Binds = dict[str, list[tuple[Path, Path]]]  # address -> [(source, mount point)] seen by that node only
 
 
-def start_cluster(root: Path, count: int = 2, binds: Binds | None = None) -> Cluster:
+def start_cluster(root: Path, count: int = 2, binds: Binds | None = None,
+                  clean_login: bool = False) -> Cluster:
     root.mkdir(parents=True, exist_ok=True)
     addresses = [f"127.0.0.{i + 2}" for i in range(count)]
     port = free_port_on(addresses)
@@ -119,10 +124,15 @@ def start_cluster(root: Path, count: int = 2, binds: Binds | None = None) -> Clu
         f"  Port {port}\n"
         "  LogLevel ERROR\n")
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+    home = None
+    if clean_login:
+        home = root / "home"
+        home.mkdir(exist_ok=True)
     cluster = Cluster(root, addresses, port, config)
     try:
         for address in addresses:
-            cluster.procs[address] = _start_sshd(root, address, port, (binds or {}).get(address, []))
+            cluster.procs[address] = _start_sshd(root, address, port, (binds or {}).get(address, []),
+                                                 home)
         for address in addresses:
             _wait_listening(address, port, cluster.procs[address])
     except BaseException:
@@ -137,7 +147,7 @@ def _keygen(path: Path) -> None:
 
 
 def _start_sshd(root: Path, address: str, port: int,
-                binds: list[tuple[Path, Path]]) -> subprocess.Popen:
+                binds: list[tuple[Path, Path]], home: Path | None = None) -> subprocess.Popen:
     config = root / f"sshd_{address}.conf"
     config.write_text(
         f"ListenAddress {address}:{port}\n"
@@ -150,7 +160,8 @@ def _start_sshd(root: Path, address: str, port: int,
         "UsePAM no\n"
         "StrictModes no\n"
         "MaxStartups 100\n"
-        "MaxSessions 100\n")
+        "MaxSessions 100\n"
+        + (f'SetEnv "HOME={home}"\n' if home else ""))
     argv = [SSHD, "-D", "-e", "-f", str(config)]
     if binds:  # sh mounts, then becomes sshd: the pid stays the one to stop
         mounts = "".join(f"mount --bind {shlex.quote(str(src))} {shlex.quote(str(dst))} && "

@@ -34,7 +34,8 @@ import crew
 from crew.launcher import stacks
 from crew.launcher.joinwatch import JoinWatch
 from crew.launcher.proc import die_with_parent, seconds_since_exec, signal_group
-from crew.launcher.protocol import PROGRESS_MARK, STACKS_COMMAND, JobSpec, NodeSpec, node_arguments, read_job
+from crew.launcher.protocol import (GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, JobSpec, NodeSpec, node_arguments,
+                                    read_job)
 from crew.launcher.ranks import Output, Rank
 from crew.launcher.streams import IDLE_FLUSH_S, PROGRESS, Item, StreamSplitter
 
@@ -329,18 +330,36 @@ class Supervisor:
         return 0 if self.stop_reason is None else 128 + signal.SIGTERM
 
 
-def run(job: JobSpec, node_rank: int, watch_stdin: bool) -> int:
+def await_go(job: JobSpec, node_rank: int, output: Output) -> float | None:
+    """The merged preflight (`crew run` over ssh): send this node's quick facts (`probe`), then wait for
+    the launcher's verdict on every node's. The seconds waited on "go"; None when the launcher said
+    no (stdin closed): then nothing starts here."""
+    from crew.launcher.probe import probe
+
+    output.event("probe", **probe(job, node_rank, full=False, save_dir=None, others_done=threading.Event()),
+                 boot_s=round(seconds_since_exec(), 3))
+    asked = time.monotonic()
+    line = b""
+    while not line.endswith(b"\n") and (chunk := os.read(0, 1)):  # unbuffered: later lines are the watch's
+        line += chunk
+    return time.monotonic() - asked if line.strip() == GO_COMMAND else None
+
+
+def run(job: JobSpec, node_rank: int, watch_stdin: bool, wait_for_go: bool = False) -> int:
     events: queue.Queue = queue.Queue()
     output = Output(on_broken=lambda: events.put(("stop", "the launcher is gone")))
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda num, _: events.put(("signal", signal.Signals(num).name)))
     node = job.nodes[node_rank]
+    waited_s = 0.0
+    if wait_for_go and (waited_s := await_go(job, node_rank, output)) is None:
+        return 0
     problem = preflight(job, node_rank)
     if problem:
         output.event("error", node=node_rank, host=node.host, message=problem)
         return 1
     started = time.monotonic()
-    boot_s = seconds_since_exec()
+    boot_s = seconds_since_exec() - waited_s
     try:
         ranks = spawn(job, node_rank)
     except OSError as exc:
@@ -348,7 +367,8 @@ def run(job: JobSpec, node_rank: int, watch_stdin: bool) -> int:
                      message=f"cannot start the ranks on {node.host}: {exc}")
         return 1
     output.event("started", node=node_rank, host=node.host, pids=[r.proc.pid for r in ranks],
-                 boot_s=round(boot_s, 3), spawn_s=round(time.monotonic() - started, 3))
+                 boot_s=round(boot_s, 3), spawn_s=round(time.monotonic() - started, 3),
+                 waited_s=round(waited_s, 3))
     joins = JoinWatch(job, node_rank, ranks, output) if job.init_timeout > 0 and job.world_size > 1 else None
     pumps = _start_threads(ranks, node, output, events, watch_stdin, joins)
     supervisor = Supervisor(job, node_rank, ranks, output, events, joins)
@@ -387,8 +407,13 @@ def _start_threads(ranks: list[Rank], node: NodeSpec, output: Output, events: qu
 
 def main(argv: list[str] | None = None) -> int:
     parser = node_arguments("python -m crew.launcher.agent", "crew's per-node agent (started by `crew run`).")
+    parser.add_argument("--preflight", action="store_true",
+                        help="send the quick checks' facts first, and start the ranks only on 'go' (stdin)")
     args = parser.parse_args(argv)
-    return run(read_job(parser, args), args.node_rank, watch_stdin=args.watch == "stdin")
+    if args.preflight and args.watch != "stdin":
+        parser.error("--preflight needs the launcher's stdin (--watch stdin)")
+    return run(read_job(parser, args), args.node_rank, watch_stdin=args.watch == "stdin",
+               wait_for_go=args.preflight)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,15 +23,16 @@ from pathlib import Path
 
 from crew.errors import CrewError
 from crew.launcher import probe, runners
+from crew.launcher.gate import Judge
 from crew.launcher.job import FANOUT, LINE_MAX, fit_list
-from crew.launcher.launch import Launch, agent_launches, job_spec
+from crew.launcher.launch import NO_SCRIPT, Launch, agent_launches, job_spec
 from crew.launcher.proc import signal_tree
 from crew.launcher.protocol import JobSpec, decode_event
 from crew.launcher.ranges import spans
 from crew.units import parse_bytes
 
 PROBE_MODULE = "crew.launcher.probe"
-QUICK_TIMEOUT_S = 20.0  # ssh's ConnectTimeout is 10 s
+QUICK_TIMEOUT_S = 60.0  # as the ssh preflight's (gate.TIMEOUT_S); pdsh's one launch covers every node
 FULL_TIMEOUT_S = 90.0
 VERSIONS = ("python", "torch", "crew", "cuda")
 SAVE_DIR_FLAGS = ("--save_dir", "--output_dir", "--checkpoint_dir")
@@ -237,6 +238,8 @@ def _script(job: JobSpec, facts: dict, reference: dict) -> Check:
                      "crew sync copies it there (or crew run --sync), or mount the same shared filesystem.")
     if job.mode == "module":
         return Check("script", "skip", "-", "a module: checked with the files")
+    if job.program[0] == NO_SCRIPT:
+        return Check("script", "skip", "-", "no script named")
     wanted, found = reference.get("script"), facts["script"]
     name = job.program[0]
     if found is None:
@@ -368,20 +371,33 @@ def run_doctor(launch: Launch, args: argparse.Namespace) -> int:
 
 
 def preflight(launch: Launch, args: argparse.Namespace, say, verbose: bool = False) -> int:
-    """The quick checks before `crew run` starts any rank; 1 (and the problems said) to refuse."""
-    if launch.launcher not in ("ssh", "pdsh"):
-        return 0  # one machine (local), or nodes started by hand (standalone): nothing to compare
+    """The quick checks as probes of their own, before `crew run` starts any agent (pdsh, which gives the
+    agents no stdin to wait on); 1 (and the problems said) to refuse. Over ssh the agents do this
+    themselves (`preflight_judge`)."""
     job = job_spec(launch, args)
     run = run_probes(launch, args, job, full=False, save_dir=None)
-    reports = evaluate(launch, job, run, reference_facts(job, full=False), False, launch.ssh_args, None)
+    passed, text = _verdict(launch, job, run, reference_facts(job, full=False), verbose)
+    say(text)
+    return 0 if passed else 1
+
+
+def preflight_judge(launch: Launch, job: JobSpec, verbose: bool = False) -> Judge:
+    """How `crew run` over ssh judges the facts its agents sent (crew.launcher.gate)."""
+    reference = reference_facts(job, full=False)
+
+    def judge(facts: dict, errors: dict, seconds: float) -> tuple[bool, str]:
+        return _verdict(launch, job, ProbeRun(facts, errors, seconds), reference, verbose)
+    return judge
+
+
+def _verdict(launch: Launch, job: JobSpec, run: ProbeRun, reference: dict, verbose: bool) -> tuple[bool, str]:
+    reports = evaluate(launch, job, run, reference, False, launch.ssh_args, None)
     if all(report.ok for report in reports):
         first = run.facts[0]
-        say(f"preflight: {len(reports)} node(s) agree (python {first['python']}, torch {first['torch']}, "
-            f"crew {first['crew']}, same script) in {run.seconds:.2f} s")
-        return 0
-    say("preflight found problems; no rank was started:\n" + format_problems(reports, verbose)
-        + "\n(`crew doctor` with the same options checks everything; --skip_preflight starts anyway.)")
-    return 1
+        return True, (f"preflight: {len(reports)} node(s) agree (python {first['python']}, torch "
+                      f"{first['torch']}, crew {first['crew']}, same script) in {run.seconds:.2f} s")
+    return False, ("preflight found problems; no rank was started:\n" + format_problems(reports, verbose)
+                   + "\n(`crew doctor` with the same options checks everything; --skip_preflight starts anyway.)")
 
 
 def _report_json(report: NodeReport) -> dict:

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 from crew.launcher import runners
 from crew.launcher.console import Console
+from crew.launcher.gate import PreflightGate
 from crew.launcher.hangs import HANG_EXIT_CODE, HangWatch
 from crew.launcher.proc import signal_tree
-from crew.launcher.protocol import PROGRESS_MARK, STACKS_COMMAND, JobSpec, decode_event
+from crew.launcher.protocol import GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, JobSpec, decode_event
 from crew.launcher.record import FirstFailure, JobRecord
 from crew.launcher.runners import AgentLaunch, ssh_fix
 
@@ -47,7 +48,9 @@ class Agent:
     launch: AgentLaunch
     proc: subprocess.Popen
     started_at: float
-    connecting: bool = True  # until its nodes report their ranks started, or it ends
+    connecting: bool = True  # until its nodes report their facts (preflight) or ranks started, or it ends
+    held: list[bytes] | None = None  # its stderr lines while the preflight decides: said only if it passes
+    timed_out: bool = False  # killed for not answering the preflight in time
     stderr_tail: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=AGENT_TAIL_LINES))
 
@@ -55,8 +58,8 @@ class Agent:
 class JobRun:
     def __init__(self, job: JobSpec, launches: list[AgentLaunch], console: Console,
                  ports: dict[int, int | None] | None = None, record: JobRecord | None = None,
-                 verbose: bool = False, fanout: int = FANOUT):
-        self.job, self.launches, self.console = job, launches, console
+                 verbose: bool = False, fanout: int = FANOUT, gate: PreflightGate | None = None):
+        self.job, self.launches, self.console, self.gate = job, launches, console, gate
         self.ports, self.record, self.verbose = ports or {}, record, verbose
         self.fanout = max(1, fanout)
         self.pending = collections.deque(launches)  # not started yet: the fan-out window is full
@@ -71,6 +74,7 @@ class JobRun:
         self.started: dict[int, dict] = {}
         self.done: set[int] = set()
         self._stop_deadline: float | None = None
+        self._held_lock = threading.Lock()
         self.hangs = HangWatch(job, launches, console.say)  # join states, stacks, the report of a hang
 
     def run(self) -> int:
@@ -125,7 +129,7 @@ class JobRun:
                        "Install it on this machine (ssh: apt-get install openssh-client), or pass "
                        "--python with an interpreter that exists.")
             return
-        agent = Agent(launch, proc, time.monotonic())
+        agent = Agent(launch, proc, time.monotonic(), held=[] if self.gate else None)
         index = len(self.agents)
         self.agents.append(agent)
         self.connecting += 1
@@ -156,6 +160,10 @@ class JobRun:
         for line in agent.proc.stderr:
             if not line.startswith(PROGRESS_MARK):
                 agent.stderr_tail.append(line.decode(errors="replace").rstrip())
+            with self._held_lock:
+                if agent.held is not None:
+                    agent.held.append(line)
+                    continue
             self.console.agent_line(2, line)
 
     def _wait(self, index: int, readers: list[threading.Thread]) -> None:
@@ -185,12 +193,16 @@ class JobRun:
             now = time.monotonic()
             if self._stop_deadline is not None and now >= self._stop_deadline:
                 self._kill_agents()
+            preflight_deadline = self._preflight_deadline()
+            if preflight_deadline is not None and now >= preflight_deadline:
+                self._on_preflight_deadline()
             join_deadline = self._join_deadline()
             if join_deadline is not None and now >= join_deadline:
                 self._on_join_deadline()
 
     def _time_left(self) -> float | None:
-        deadlines = [d for d in (self._stop_deadline, self._join_deadline()) if d is not None]
+        deadlines = [d for d in (self._stop_deadline, self._join_deadline(), self._preflight_deadline())
+                     if d is not None]
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
@@ -209,7 +221,11 @@ class JobRun:
 
     def _on_event(self, index: int, event: dict) -> None:
         kind = event.get("event")
-        if kind == "started":
+        if kind == "probe" and self.gate and self.gate.waiting:
+            self.gate.on_probe(event)
+            self._connected(self.agents[index])
+            self._open_gate()
+        elif kind == "started":
             agent = self.agents[index]
             self.started[event["node"]] = {**event, "at": time.monotonic(), "agent_at": agent.started_at}
             self.hangs.node_started(event["node"])
@@ -237,11 +253,52 @@ class JobRun:
                                if code is not None})
 
     def _on_agent_exit(self, agent: Agent) -> None:
+        if self.gate and self.gate.waiting:
+            if not self._stopping():
+                self.gate.on_exit(agent.launch.node_ranks, agent.proc.returncode, list(agent.stderr_tail),
+                                  agent.timed_out)
+                self._open_gate()
+            return
         missing = [n for n in agent.launch.node_ranks if n not in self.done]
         if missing and not self._stopping():
             code = agent.proc.returncode
             self._fail(_exit_code(code) or 1, self._describe_agent_failure(agent, code),
                        host=agent.launch.label)
+
+    def _open_gate(self) -> None:
+        """Every node has answered the preflight: start all their ranks, or none."""
+        verdict = None if self._stopping() else self.gate.decide()
+        if verdict is None:
+            return
+        passed, text = verdict
+        if not passed:
+            self._fail(1, text)  # closes every agent's stdin: they end without starting a rank
+            return
+        self.console.say(text)
+        for agent in self.agents:
+            try:
+                agent.proc.stdin.write(GO_COMMAND + b"\n")
+                agent.proc.stdin.flush()
+            except (OSError, ValueError):
+                pass  # it has just died: its exit says so
+            with self._held_lock:
+                held, agent.held = agent.held or [], None
+            for line in held:
+                self.console.agent_line(2, line)
+
+    def _preflight_deadline(self) -> float | None:
+        """When the first agent still silent on the preflight is given up on."""
+        if not self.gate or not self.gate.waiting or self._stopping():
+            return None
+        silent = [a.started_at for a in self.agents if a.connecting and not a.timed_out]
+        return min(silent) + self.gate.timeout if silent else None
+
+    def _on_preflight_deadline(self) -> None:
+        now = time.monotonic()
+        for agent in self.agents:
+            if agent.connecting and not agent.timed_out and now >= agent.started_at + self.gate.timeout:
+                agent.timed_out = True
+                signal_tree(agent.proc.pid, signal.SIGKILL)  # its exit tells the gate
 
     def _on_signal(self, name: str) -> None:
         if self.interrupted is not None:
@@ -310,13 +367,15 @@ class JobRun:
 
 def startup_times(started: dict[int, dict]) -> dict[int, dict]:
     """Each node's start-up, from its `started` event: ssh connect, the agent's Python start and imports,
-    spawning its ranks, and the total from the launcher's start of its agent."""
+    its wait for the other nodes' preflight, spawning its ranks, and the total from the launcher's start
+    of its agent."""
     times = {}
     for node, info in sorted(started.items()):
         total = info["at"] - info["agent_at"]
+        waited = info.get("waited_s", 0.0)
         times[node] = {"host": info["host"], "total": round(total, 3),
-                       "connect": round(max(0.0, total - info["boot_s"] - info["spawn_s"]), 3),
-                       "agent": info["boot_s"], "spawn": info["spawn_s"]}
+                       "connect": round(max(0.0, total - info["boot_s"] - waited - info["spawn_s"]), 3),
+                       "agent": info["boot_s"], "waited": waited, "spawn": info["spawn_s"]}
     return times
 
 
@@ -340,7 +399,11 @@ def startup_lines(times: dict[int, dict], verbose: bool = False) -> list[str]:
         line = fit_list(line + "; slowest: ", [f"{t['host']} {t['total']:.2f}s" for t in ranked[:SLOWEST]])
     if not verbose:
         return [line]
-    return [line, *(f"  node {node}: {node_text(t)}, total {t['total']:.2f}s" for node, t in times.items())]
+    def waited(t: dict) -> str:
+        return f", waited {t['waited']:.2f}s for the other nodes' preflight" if t.get("waited") else ""
+
+    return [line, *(f"  node {node}: {node_text(t)}{waited(t)}, total {t['total']:.2f}s"
+                    for node, t in times.items())]
 
 
 def fit_list(head: str, items: list[str], limit: int = LINE_MAX) -> str:

@@ -23,6 +23,7 @@ from crew.launcher.plan import NodePlan, Plan, build_plan, is_local_name, select
 from crew.launcher.protocol import JobSpec, NodeSpec
 
 LOCAL_HOST = "localhost"
+NO_SCRIPT = "<script>"  # the program of a job spec built without one (`crew doctor` with no script named)
 SHOWN_NODES = 8  # crew run's layout lists this many nodes at most, unless --verbose
 CONSOLE_ENV = "CREW_CONSOLE"
 
@@ -125,7 +126,7 @@ def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0,
         job_id=uuid.uuid4().hex[:8],
         nodes=tuple(NodeSpec(n.host, n.slots, n.ranks) for n in plan.nodes),
         master_addr=plan.master_addr, master_port=plan.master_port,
-        program=(args.script or "<script>", *getattr(args, "script_args", [])),
+        program=(args.script or NO_SCRIPT, *getattr(args, "script_args", [])),
         cwd=cwd, mode=mode, env=env, local_rank_arg=not args.no_local_rank,
         as_deepspeed=getattr(args, "as_deepspeed", False),
         log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,

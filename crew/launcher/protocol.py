@@ -8,11 +8,14 @@ progress-bar update (text it ended with a bare carriage return, see `streams`) c
 `PROGRESS_MARK[host:rank] text`, on the agent's stream of the same kind as the rank's.
 
 After the spec, the launcher keeps the agent's stdin open: closing it means "stop", and a line
-STACKS_COMMAND means "stop every rank with its Python stack first" (see agent.Supervisor). Events, as
-{"event": KIND, ...}: `started`, `join` (node, host, rank, state as in joinwatch, remote: the master
-address it is connected or connecting to), `rank_failed` (..., collective_timeout: its stderr says a
-torch.distributed operation timed out), `stack` (node, host, rank, dumped, threads, frames: the main
-thread's [file, line, function], innermost first), `error`, `alive`, `done`.
+STACKS_COMMAND means "stop every rank with its Python stack first" (see agent.Supervisor). An agent
+started with --preflight first sends a `probe` event (the quick checks' facts, as the doctor's probe)
+and starts nothing until a line GO_COMMAND arrives: the launcher sends it once every node's facts
+passed, and closes stdin instead when one did not. Events, as {"event": KIND, ...}: `probe`, `started`,
+`join` (node, host, rank, state as in joinwatch, remote: the master address it is connected or
+connecting to), `rank_failed` (..., collective_timeout: its stderr says a torch.distributed operation
+timed out), `stack` (node, host, rank, dumped, threads, frames: the main thread's [file, line,
+function], innermost first), `error`, `alive`, `done`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 EVENT_MARK = b"\x1ecrew-event "
 PROGRESS_MARK = b"\x1ecrew-progress "
 STACKS_COMMAND = b"stacks"
+GO_COMMAND = b"go"  # after the merged preflight: every node passed, start the ranks
 AGENT_MODULE = "crew.launcher.agent"
 
 

@@ -89,6 +89,10 @@ def test_unauthorised_key_gets_ssh_copy_id_and_config_lines(make_cluster, job_di
                                               f"User {user}", f"IdentityFile {stranger}",
                                               f"Then 'ssh -p {cluster.port} {user}@{host} true' must work "
                                               "without a password."]
+    run = crew("run", "--ssh_args", f"-F {config}", "-H", str(cluster.hostfile(slots=1)), "train.py", cwd=job_dir)
+    assert run.code == 1 and "preflight found problems; no rank was started" in run.err
+    assert f"ssh-copy-id -F {config} -i {stranger}.pub -p {cluster.port} {user}@127.0.0.3" in run.err
+    assert not list(job_dir.glob("ran_on_*"))
 
 
 def _second_venv(root: Path) -> tuple[Path, list[tuple[Path, Path]]]:
@@ -215,6 +219,9 @@ def test_preflight_refuses_an_unreachable_node_before_any_rank_starts(make_clust
 def test_doctor_over_pdsh(make_cluster, job_dir):
     cluster = make_cluster()
     write_script(job_dir, "train.py", TRAIN)
-    result = doctor(cluster, job_dir, "--launcher", "pdsh", "train.py")
+    result = doctor(cluster, job_dir, "--launcher", "pdsh", "--json")  # no script named: not checked
     assert result.code == 0, result.out + result.err
-    assert "every check passed." in result.out
+    nodes = json.loads(result.out)["nodes"]
+    assert [n["checks"]["script"] for n in nodes] == [{"status": "skip", "value": "-", "detail": "no script named",
+                                                       "fix": ""}] * 2
+    assert all(n["checks"]["files"]["status"] == "ok" for n in nodes)

@@ -33,8 +33,10 @@ def test_startup_line_names_the_slowest_few_within_the_limit():
     assert len(line) <= LINE_MAX
     assert line.startswith("all 64 node(s) started in 1.63s; per node (median): connect 0.50s")
     assert "slowest: gpu-node-0063.rack-3.cluster.example.com 1.63s" in line
+    times[1]["waited"] = 0.25
     verbose = job.startup_lines(times, verbose=True)
     assert len(verbose) == 65 and verbose[1].startswith("  node 0: gpu-node-0000")
+    assert "preflight" not in verbose[1] and "waited 0.25s for the other nodes' preflight" in verbose[2]
 
 
 def test_startup_line_lists_every_node_when_it_fits():
@@ -128,7 +130,12 @@ def test_nine_nodes_short_lines_and_the_doctor_grouped(make_cluster, job_dir):
     assert "crew:   ... nodes 6-7 (2 more, 1 rank(s) each; --verbose lists every node)" in own
     assert any(line.startswith("crew: timing (s since crew started): preflight ") for line in own)
     record = json.loads((job_dir / "logs" / "crew_job.json").read_text())
-    assert all(set(node["startup_s"]) == {"connect", "agent", "spawn", "total"} for node in record["nodes"])
+    assert all(set(node["startup_s"]) == {"connect", "agent", "waited", "spawn", "total"}
+               for node in record["nodes"])
+    # One ssh login per node, preflight included: the first agents up waited for the last ones' facts.
+    assert record["nodes"][0]["startup_s"]["waited"] > 0
+    logins = [(cluster.root / f"sshd_{a}.log").read_text().count("Accepted publickey") for a in cluster.addresses]
+    assert logins == [1] * nodes
 
     checked = crew("doctor", "--ssh_args", cluster.ssh_args, "-H", str(cluster.hostfile(slots=1)),
                    "noop.py", cwd=job_dir)
