@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from crew import __version__
+from crew import __version__, wizard
 from crew.errors import CrewError
 from crew.launcher import runners
 from crew.launcher.hostfile import is_number
@@ -85,7 +85,8 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     _option(group, "--master_addr", help="address rank 0 listens on (default: the first node)")
     _option(group, "--master_port", type=_port, help="port rank 0 listens on (default: a free one)")
     _option(group, "--launcher", choices=runners.RUNNERS,
-            help="how to start each node: local (no hostfile), ssh (hostfile), pdsh, standalone")
+            help="how to start each node: local (no hostfile), ssh (hostfile), pdsh, standalone, "
+                 "slurm (inside an allocation without a hostfile: one srun for every node)")
     _option(group, "--force_multi", action="store_true",
             help="use ssh even for a one-node hostfile naming this machine")
     _option(group, "--node_rank", type=int, help="standalone: which node of the plan this is")
@@ -114,6 +115,9 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     _option(group, "--verbose", action="store_true",
             help="list every node in crew's own lines (start-up times, the layout, the doctor's rows); "
                  "by default many nodes are summed up: counts and the slowest few")
+    _option(group, "--config_file", metavar="ACCELERATE_CONFIG.yaml",
+            help="Accelerate's launch config (as `accelerate launch --config_file`): machines, processes, main "
+                 "process, DeepSpeed launcher keys and the ACCELERATE_* variables; options given here win")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -185,9 +189,10 @@ def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console, ti
 
 
 def _preflight_gate(launch: Launch, job, args: argparse.Namespace) -> PreflightGate | None:
-    """Over ssh, the agents run the preflight's quick checks and wait for the verdict (one ssh login per
-    node); pdsh gives them no stdin to wait on, so there it runs first, on its own (cmd_run)."""
-    if args.skip_preflight or launch.launcher != "ssh":
+    """Over ssh and srun (whose stdin reaches every node), the agents run the preflight's quick checks and
+    wait for the verdict (one ssh login per node); pdsh gives them no stdin to wait on, so there it runs
+    first, on its own (cmd_run)."""
+    if args.skip_preflight or launch.launcher not in ("ssh", "slurm"):
         return None
     from crew.launcher import doctor
 
@@ -321,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--out", metavar="FILE.png", help="where to write the PNG (default: the "
                       "first DIR's name + .png, in the current folder)")
     plot.set_defaults(handler=cmd_plot)
+    config = commands.add_parser("config", help="questions and answers that write a hostfile, a launch "
+                                 "config (Accelerate's format) and a DeepSpeed JSON, then run crew doctor on "
+                                 "them", allow_abbrev=False)
+    wizard.add_options(config)
     return parser
 
 
@@ -330,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         print("crew: error: --module and --no_python cannot be used together.", file=sys.stderr)
         return 2
     try:
+        if getattr(args, "config_file", None):
+            from crew.launcher.accelerate import apply_config_file
+
+            apply_config_file(args, lambda text: print(f"crew: {text}", file=sys.stderr), args.command == "run")
         return args.handler(args)
     except CrewError as exc:
         print(f"crew: error: {exc}", file=sys.stderr)

@@ -114,6 +114,23 @@ def wait_for_file(path: Path, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+# A test run inside a Slurm allocation must not turn every local launch into a Slurm one: the Slurm tests
+# start their own cluster and pass its environment explicitly.
+for _name in [n for n in os.environ if n.startswith(("SLURM_", "SALLOC_", "SBATCH_", "SRUN_"))]:
+    del os.environ[_name]
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """A clean directory, HOME and environment: no CREW_* defaults, no ~/.deepspeed_env."""
+    for name in list(os.environ):
+        if name.startswith("CREW_") or name == "DS_ENV_FILE":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 @pytest.fixture(autouse=True)
 def _isolated_process_state():
     """Each test starts and ends with the same environment and no process group."""

@@ -68,9 +68,16 @@ def rank_env(job: JobSpec, node_rank: int, local_rank: int, base: dict[str, str]
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // len(node.ranks))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("PYTHONFAULTHANDLER", "1")  # SIGABRT prints every thread's stack: see Supervisor
+    if not has_gpu():  # else Accelerate's state finds no GPU backend and says world size 1 (its state.py)
+        env.setdefault("ACCELERATE_USE_CPU", "true")
     if job.as_deepspeed:  # this node's crew answers `import deepspeed` (crew/deepspeed/alias.py)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [DEEPSPEED_SHIM, env.get("PYTHONPATH")]))
     return env
+
+
+def has_gpu() -> bool:
+    """A GPU on this node, seen without importing torch: NVIDIA's /dev/nvidiaN, or ROCm's /dev/kfd."""
+    return Path("/dev/kfd").exists() or any(p.name[6:].isdigit() for p in Path("/dev").glob("nvidia[0-9]*"))
 
 
 def rank_argv(job: JobSpec, local_rank: int) -> list[str]:
@@ -347,7 +354,7 @@ def await_go(job: JobSpec, node_rank: int, output: Output) -> float | None:
 
 def run(job: JobSpec, node_rank: int, watch_stdin: bool, wait_for_go: bool = False) -> int:
     events: queue.Queue = queue.Queue()
-    output = Output(on_broken=lambda: events.put(("stop", "the launcher is gone")))
+    output = Output(lambda: events.put(("stop", "the launcher is gone")), node_rank, job.line_max)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda num, _: events.put(("signal", signal.Signals(num).name)))
     node = job.nodes[node_rank]
@@ -382,7 +389,7 @@ def run(job: JobSpec, node_rank: int, watch_stdin: bool, wait_for_go: bool = Fal
         if rank.log:
             rank.log.close()
     output.event("done", node=node_rank, host=node.host,
-                 codes={r.rank: r.code for r in ranks}, exit_code=code)
+                 codes={r.rank: r.code for r in ranks}, exit_code=code, stop_reason=supervisor.stop_reason)
     return code
 
 
@@ -412,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.preflight and args.watch != "stdin":
         parser.error("--preflight needs the launcher's stdin (--watch stdin)")
-    return run(read_job(parser, args), args.node_rank, watch_stdin=args.watch == "stdin",
-               wait_for_go=args.preflight)
+    job = read_job(parser, args)  # resolves --node_rank slurm into this node's index
+    return run(job, args.node_rank, watch_stdin=args.watch == "stdin", wait_for_go=args.preflight)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,6 @@ import collections
 import json
 import os
 import shlex
-import signal
 import subprocess
 import threading
 import time
@@ -27,7 +26,7 @@ from crew.launcher.gate import Judge
 from crew.launcher.job import FANOUT, LINE_MAX, fit_list
 from crew.launcher.launch import NO_SCRIPT, Launch, agent_launches, job_spec
 from crew.launcher.proc import signal_tree
-from crew.launcher.protocol import JobSpec, decode_event
+from crew.launcher.protocol import JobSpec, decode_event, whole_lines
 from crew.launcher.ranges import spans
 from crew.units import parse_bytes
 
@@ -93,7 +92,7 @@ def run_probes(launch: Launch, args: argparse.Namespace, job: JobSpec, full: boo
         results = [future.result() for future in futures]
     facts, errors = {}, {}
     for launch_, (code, out, err) in zip(launches, results, strict=True):
-        for line in out.splitlines(keepends=True):
+        for line in whole_lines(out.splitlines(keepends=True)):
             event = decode_event(line)
             if event and event.get("event") == "probe":
                 facts[event["node"]] = event
@@ -122,7 +121,7 @@ def _run_one(launch, job: JobSpec, timeout: float,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        signal_tree(proc.pid, signal.SIGKILL)
+        signal_tree(proc.pid, launch.kill_signal)
         out, err = proc.communicate()
         err += f"no answer within {timeout:.0f} s (timed out)".encode()
     return proc.returncode, out, err

@@ -30,7 +30,7 @@ from crew.launcher.console import Console
 from crew.launcher.gate import PreflightGate
 from crew.launcher.hangs import HANG_EXIT_CODE, HangWatch
 from crew.launcher.proc import signal_tree
-from crew.launcher.protocol import GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, JobSpec, decode_event
+from crew.launcher.protocol import GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, JobSpec, decode_event, whole_lines
 from crew.launcher.record import FirstFailure, JobRecord
 from crew.launcher.runners import AgentLaunch, ssh_fix
 
@@ -148,7 +148,7 @@ class JobRun:
         return thread
 
     def _read_stdout(self, index: int) -> None:
-        for line in self.agents[index].proc.stdout:
+        for line in whole_lines(self.agents[index].proc.stdout):
             event = decode_event(line)
             if event is None:
                 self.console.agent_line(1, line)
@@ -157,13 +157,15 @@ class JobRun:
 
     def _read_stderr(self, index: int) -> None:
         agent = self.agents[index]
-        for line in agent.proc.stderr:
+        for line in whole_lines(agent.proc.stderr):
             if not line.startswith(PROGRESS_MARK):
                 agent.stderr_tail.append(line.decode(errors="replace").rstrip())
             with self._held_lock:
                 if agent.held is not None:
                     agent.held.append(line)
                     continue
+            if self._stopping() and line.startswith(agent.launch.chatter):
+                continue  # srun on its tasks' ends: crew has said it, and the tail keeps it
             self.console.agent_line(2, line)
 
     def _wait(self, index: int, readers: list[threading.Thread]) -> None:
@@ -223,7 +225,8 @@ class JobRun:
         kind = event.get("event")
         if kind == "probe" and self.gate and self.gate.waiting:
             self.gate.on_probe(event)
-            self._connected(self.agents[index])
+            if all(node in self.gate.facts for node in self.agents[index].launch.node_ranks):
+                self._connected(self.agents[index])  # srun: every node of it
             self._open_gate()
         elif kind == "started":
             agent = self.agents[index]
@@ -251,6 +254,8 @@ class JobRun:
             self.done.add(event["node"])
             self.codes.update({int(rank): _exit_code(code) for rank, code in event["codes"].items()
                                if code is not None})
+            if event.get("exit_code") and not self._stopping():  # stopped by someone else: not a success
+                self._fail(event["exit_code"], _describe_outside_stop(event), host=event["host"])
 
     def _on_agent_exit(self, agent: Agent) -> None:
         if self.gate and self.gate.waiting:
@@ -298,7 +303,7 @@ class JobRun:
         for agent in self.agents:
             if agent.connecting and not agent.timed_out and now >= agent.started_at + self.gate.timeout:
                 agent.timed_out = True
-                signal_tree(agent.proc.pid, signal.SIGKILL)  # its exit tells the gate
+                signal_tree(agent.proc.pid, agent.launch.kill_signal)  # its exit tells the gate
 
     def _on_signal(self, name: str) -> None:
         if self.interrupted is not None:
@@ -338,7 +343,7 @@ class JobRun:
 
     def _kill_agents(self) -> None:
         for agent in self.agents:
-            signal_tree(agent.proc.pid, signal.SIGKILL)
+            signal_tree(agent.proc.pid, agent.launch.kill_signal)  # srun: SIGTERM, on which it kills its tasks
         self._stop_deadline = None
 
     def _report_startup(self) -> None:
@@ -351,7 +356,8 @@ class JobRun:
     def _describe_agent_failure(self, agent: Agent, code: int) -> str:
         tail = "\n".join(f"    {line}" for line in agent.stderr_tail) or "    (nothing)"
         host = agent.launch.label
-        fix = ssh_fix(agent.stderr_tail, host, self.ports.get(agent.launch.node_ranks[0]))
+        where = host if len(agent.launch.node_ranks) == 1 else "the nodes"  # pdsh, srun: all of them
+        fix = ssh_fix(agent.stderr_tail, where, self.ports.get(agent.launch.node_ranks[0]))
         message = f"{host}: the crew agent ended with code {code} before its ranks finished."
         if fix:
             message += " " + fix
@@ -421,6 +427,14 @@ def fit_list(head: str, items: list[str], limit: int = LINE_MAX) -> str:
 def _exit_code(code: int) -> int:
     """A shell's view of a process's end: N for exit(N), 128+S for signal S."""
     return 128 - code if code < 0 else code
+
+
+def _describe_outside_stop(event: dict) -> str:
+    """An agent that stopped its ranks though crew did not ask (a signal to it: scancel, a Slurm time limit,
+    a kill by hand)."""
+    why = event.get("stop_reason") or f"exit code {event['exit_code']}"
+    return (f"{event['host']}: the crew agent stopped every rank there ({why}) without crew asking: a Slurm "
+            "job cancelled (scancel) or past its time limit, or a signal sent by hand.")
 
 
 def _describe_rank_failure(event: dict) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crew.errors import LaunchError, PlanError
-from crew.launcher import runners
+from crew.launcher import runners, slurm
 from crew.launcher.env import gather_env
 from crew.launcher.hostfile import Host, is_number, read_hostfile
 from crew.launcher.plan import NodePlan, Plan, build_plan, is_local_name, select_hosts
@@ -39,14 +39,21 @@ class Launch:
 
 
 def resolve(args: argparse.Namespace) -> Launch:
-    hosts = read_hostfile(args.hostfile) if args.hostfile else [_this_machine(args)]
-    if args.num_nodes is not None and args.num_nodes > 1 and not args.hostfile:
+    on_slurm = _uses_slurm(args)
+    if on_slurm:
+        hosts = slurm.allocation_hosts(os.environ, args.num_gpus)
+    elif args.hostfile:
+        hosts = read_hostfile(args.hostfile)
+    else:  # args.machines: the nodes of an Accelerate config with several machines and no hostfile (accelerate.py)
+        hosts = getattr(args, "machines", None) or [_this_machine(args)]
+    if args.num_nodes is not None and args.num_nodes > 1 and not (args.hostfile or on_slurm):
         raise PlanError(f"--num_nodes {args.num_nodes} needs a --hostfile listing that many hosts.")
-    per_host_gpus = args.num_gpus if args.hostfile else None  # else _this_machine applied it
-    hosts = select_hosts(hosts, args.include, args.exclude, args.num_nodes, per_host_gpus)
+    per_host_gpus = args.num_gpus if args.hostfile or on_slurm else None  # else _this_machine applied it
+    source = "the allocation (SLURM_JOB_NODELIST)" if on_slurm else "the hostfile"
+    hosts = select_hosts(hosts, args.include, args.exclude, args.num_nodes, per_host_gpus, source)
     if args.ssh_port:
         hosts = [h if h.ssh_port else Host(h.name, h.slots, args.ssh_port) for h in hosts]
-    launcher = _choose_launcher(args, hosts)
+    launcher = "slurm" if on_slurm else _choose_launcher(args, hosts)
     ssh_args = tuple(shlex.split(args.ssh_args))
     master_addr = args.master_addr or _default_master(launcher, hosts[0], ssh_args)
     if launcher == "standalone" and len(hosts) > 1 and not args.master_port:
@@ -55,6 +62,25 @@ def resolve(args: argparse.Namespace) -> Launch:
     port = args.master_port or _free_port()
     env = gather_env(os.environ, Path.home(), Path.cwd(), args.env)
     return Launch(launcher, hosts, build_plan(hosts, master_addr, port, env), ssh_args)
+
+
+def _uses_slurm(args: argparse.Namespace) -> bool:
+    """--launcher slurm; or, inside an allocation (SLURM_JOB_ID), no --launcher and no --hostfile. Its
+    nodes then come from Slurm, and one srun starts every node's agent."""
+    if args.launcher != "slurm" and (args.launcher or args.hostfile or not slurm.in_allocation(os.environ)):
+        return False
+    if args.hostfile:
+        raise PlanError("--launcher slurm takes its nodes from the allocation (SLURM_JOB_NODELIST): leave "
+                        "out --hostfile, or use --launcher ssh with it.")
+    if not slurm.in_allocation(os.environ):
+        raise LaunchError("--launcher slurm: this shell is not inside a Slurm allocation (SLURM_JOB_ID is "
+                          "not set). Run crew inside one: 'salloc -N 2' and then 'crew run ...', or "
+                          "'crew run ...' in an sbatch script.")
+    if args.node_rank is not None:
+        raise PlanError("--node_rank is for --launcher standalone; under Slurm each node's agent finds "
+                        "its node by name. Leave out --node_rank.")
+    slurm.check_step(os.environ)
+    return True
 
 
 def _this_machine(args: argparse.Namespace) -> Host:
@@ -84,10 +110,6 @@ def _choose_launcher(args: argparse.Namespace, hosts: list[Host]) -> str:
         here = socket.gethostname()
         one_here = len(hosts) == 1 and is_local_name(hosts[0].name, here)
         launcher = "local" if not args.hostfile or (one_here and not args.force_multi) else "ssh"
-    if launcher == "slurm":
-        raise LaunchError("--launcher slurm is not supported yet. Inside an allocation, run "
-                          "'srun --ntasks-per-node=1 crew run --launcher standalone --node_rank "
-                          "$SLURM_NODEID ...' instead.")
     if launcher == "local" and len(hosts) > 1:
         raise PlanError(f"--launcher local runs one node, but the plan has {len(hosts)}. "
                         "Use --launcher ssh, or --num_nodes 1.")
@@ -130,7 +152,8 @@ def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0,
         cwd=cwd, mode=mode, env=env, local_rank_arg=not args.no_local_rank,
         as_deepspeed=getattr(args, "as_deepspeed", False),
         log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
-        restart_count=restart_count, init_timeout=getattr(args, "init_timeout", None) or 0.0)
+        restart_count=restart_count, init_timeout=getattr(args, "init_timeout", None) or 0.0,
+        line_max=slurm.LINE_MAX if launch.launcher == "slurm" else 0)
 
 
 def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,
@@ -141,6 +164,8 @@ def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,
         return runners.ssh_launches(job, args.python, ports, launch.ssh_args, module, extra)
     if launch.launcher == "pdsh":
         return runners.pdsh_launches(job, args.python, ports, launch.ssh_args, module, extra)
+    if launch.launcher == "slurm":
+        return runners.slurm_launches(job, args.python, slurm.srun_options(os.environ), module, extra)
     return runners.local_launches(job, args.python, args.node_rank or 0, module, extra)
 
 
@@ -172,7 +197,8 @@ def _layout_line(node: NodePlan) -> str:
 
 
 def remote_nodes(launch: Launch) -> list[tuple[str, int | None]]:
-    """(host, ssh port) of each node reached over ssh; none for the local and standalone launchers."""
-    if launch.launcher not in ("ssh", "pdsh"):
+    """(host, ssh port) of each node `crew sync` copies to over ssh; none for the local and standalone
+    launchers. Under Slurm, the allocation's nodes (those sharing this filesystem are skipped)."""
+    if launch.launcher not in ("ssh", "pdsh", "slurm"):
         return []
     return [(node.host, node.ssh_port) for node in launch.plan.nodes]

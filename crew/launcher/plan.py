@@ -47,8 +47,10 @@ class Plan:
 
 
 def select_hosts(hosts: list[Host], include: str = "", exclude: str = "",
-                 num_nodes: int | None = None, num_gpus: int | None = None) -> list[Host]:
-    """Apply --include/--exclude, then --num_nodes and --num_gpus, keeping hostfile order."""
+                 num_nodes: int | None = None, num_gpus: int | None = None,
+                 source: str = "the hostfile") -> list[Host]:
+    """Apply --include/--exclude, then --num_nodes and --num_gpus, keeping hostfile order. `source` is
+    where the hosts came from, for the messages (a Slurm allocation's nodes work the same way)."""
     if include and exclude:
         raise PlanError("--include and --exclude cannot be used together; use one of them.")
     if (include or exclude) and (num_nodes is not None or num_gpus is not None):
@@ -57,19 +59,20 @@ def select_hosts(hosts: list[Host], include: str = "", exclude: str = "",
             "name the hosts and devices in --include instead, e.g. --include worker-1:0,1@worker-2."
         )
     if include:
-        hosts = _include(hosts, parse_filter(include, "--include", hosts))
+        hosts = _include(hosts, parse_filter(include, "--include", hosts, source))
     elif exclude:
-        hosts = _exclude(hosts, parse_filter(exclude, "--exclude", hosts))
+        hosts = _exclude(hosts, parse_filter(exclude, "--exclude", hosts, source))
     if not hosts:
         raise PlanError(f"--exclude {exclude} leaves no slot to run on. Exclude fewer hosts or slots.")
     if num_nodes is not None:
-        hosts = _first_nodes(hosts, num_nodes)
+        hosts = _first_nodes(hosts, num_nodes, source)
     if num_gpus is not None:
         hosts = [_first_devices(host, num_gpus) for host in hosts]
     return hosts
 
 
-def parse_filter(spec: str, flag: str, hosts: list[Host]) -> dict[str, tuple[int, ...] | None]:
+def parse_filter(spec: str, flag: str, hosts: list[Host],
+                 source: str = "the hostfile") -> dict[str, tuple[int, ...] | None]:
     """'host1:0,2@host2' -> {'host1': (0, 2), 'host2': None}; None means every slot of that host."""
     known = {host.name: host for host in hosts}
     chosen: dict[str, tuple[int, ...] | None] = {}
@@ -77,8 +80,8 @@ def parse_filter(spec: str, flag: str, hosts: list[Host]) -> dict[str, tuple[int
         name, colon, slot_text = _split_host_slots(part, known)
         if name not in known:
             raise PlanError(
-                f"{flag} {spec}: host '{name}' is not in the hostfile (hosts: "
-                f"{', '.join(known)}). Use the host names exactly as the hostfile writes them."
+                f"{flag} {spec}: host '{name}' is not in {source} (hosts: "
+                f"{', '.join(known)}). Use the host names exactly as {source} writes them."
             )
         if not colon:
             chosen[name] = None
@@ -139,13 +142,13 @@ def _exclude(hosts: list[Host], chosen: dict[str, tuple[int, ...] | None]) -> li
     return kept
 
 
-def _first_nodes(hosts: list[Host], num_nodes: int) -> list[Host]:
+def _first_nodes(hosts: list[Host], num_nodes: int, source: str = "the hostfile") -> list[Host]:
     if num_nodes < 1:
         raise PlanError(f"--num_nodes {num_nodes}: must be at least 1.")
     if num_nodes > len(hosts):
         raise PlanError(
             f"--num_nodes {num_nodes}: only {len(hosts)} host(s) available "
-            f"({', '.join(h.name for h in hosts)}). Add hosts to the hostfile or ask for fewer nodes."
+            f"({', '.join(h.name for h in hosts)}). Add hosts to {source} or ask for fewer nodes."
         )
     return hosts[:num_nodes]
 

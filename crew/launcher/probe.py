@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import crew
-from crew.launcher.protocol import JobSpec, encode_event, node_arguments, read_job
+from crew.launcher.protocol import JobSpec, encode_event, node_arguments, read_job, split_long_lines
 
 GREETING = b"crew-doctor\n"
 MASTER_WAIT_S = 8.0  # how long node 0 listens and the others keep trying to connect
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.spec_b64:  # pdsh gives no stdin: node 0 listens until every node connected, or the timeout
         threading.Thread(target=lambda: (sys.stdin.buffer.read(), others_done.set()), daemon=True).start()
     facts = probe(job, args.node_rank, args.full, args.save_dir, others_done)
-    sys.stdout.buffer.write(encode_event("probe", **facts))
+    sys.stdout.buffer.write(split_long_lines(encode_event("probe", **facts), args.node_rank, job.line_max))
     sys.stdout.flush()
     return 0
 

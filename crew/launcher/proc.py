@@ -10,10 +10,10 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the thread that started it dies, however it dies."""
+def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
+    """preexec_fn: SIGKILL (or `sig`) this child when the thread that started it dies, however it dies."""
     try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):
         pass
 

@@ -16,6 +16,11 @@ passed, and closes stdin instead when one did not. Events, as {"event": KIND, ..
 connecting to), `rank_failed` (..., collective_timeout: its stderr says a torch.distributed operation
 timed out), `stack` (node, host, rank, dumped, threads, frames: the main thread's [file, line,
 function], innermost first), `error`, `alive`, `done`.
+
+Under srun (`--node_rank slurm`) one srun carries every node's agent: its stdin reaches all of them
+(`--input=all`: the spec, `stacks`, `go` and EOF alike), each agent finds its node by name
+(`slurm_node`), and, since srun merges its tasks' output in 1 KiB messages, an agent sends any line
+longer than the spec's `line_max` as pieces (`split_long_lines`) that the launcher joins (`whole_lines`).
 """
 
 from __future__ import annotations
@@ -24,13 +29,16 @@ import argparse
 import base64
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
 
 EVENT_MARK = b"\x1ecrew-event "
 PROGRESS_MARK = b"\x1ecrew-progress "
 STACKS_COMMAND = b"stacks"
 GO_COMMAND = b"go"  # after the merged preflight: every node passed, start the ranks
+PIECE_MARK = b"\x1ecrew-piece "  # PIECE_MARK NODE +|. TEXT: part of a long line; "." ends it
 AGENT_MODULE = "crew.launcher.agent"
+SLURM_NODE_RANK = "slurm"  # --node_rank under srun: the agent finds its node by SLURMD_NODENAME
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class JobSpec:
     restart_count: int = 0
     init_timeout: float = 600.0  # seconds for every rank to join the process group; 0: no limit
     as_deepspeed: bool = False  # ranks get crew's `deepspeed` shim first on PYTHONPATH
+    line_max: int = 0  # agents send longer output lines in pieces (srun); 0: as they are
 
     @property
     def world_size(self) -> int:
@@ -96,19 +105,64 @@ def decode_event(line: bytes) -> dict | None:
         return None
 
 
+def split_long_lines(data: bytes, node: int, line_max: int) -> bytes:
+    """`data` (whole lines) with each line longer than `line_max` bytes cut into piece lines of at most
+    `line_max` bytes, tagged with the node, so that lines from several nodes merged by srun can be told
+    apart and joined again."""
+    if not line_max or len(data) <= line_max:
+        return data
+    out = []
+    for line in data.splitlines(keepends=True):
+        if len(line) <= line_max:
+            out.append(line)
+            continue
+        body = line.removesuffix(b"\n")
+        size = line_max - len(PIECE_MARK) - len(str(node)) - 4
+        for start in range(0, len(body), size):
+            more = b"+" if start + size < len(body) else b"."
+            out.append(PIECE_MARK + str(node).encode() + b" " + more + b" " + body[start:start + size] + b"\n")
+    return b"".join(out)
+
+
+def whole_lines(lines: Iterable[bytes]) -> Iterator[bytes]:
+    """The lines of an agent stream with the pieces of `split_long_lines` joined again, each whole line
+    where its last piece was."""
+    pending: dict[bytes, list[bytes]] = {}
+    for line in lines:
+        parts = line[len(PIECE_MARK):].split(b" ", 2) if line.startswith(PIECE_MARK) else []
+        if len(parts) != 3 or parts[1] not in (b"+", b"."):
+            yield line
+            continue
+        node, more, text = parts
+        pending.setdefault(node, []).append(text.removesuffix(b"\n"))
+        if more == b".":
+            yield b"".join(pending.pop(node)) + b"\n"
+
+
 def node_arguments(prog: str, description: str) -> argparse.ArgumentParser:
     """The command line every runner gives a node-side crew module (the agent, the doctor's probe)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--job", help="job id, for `ps` readers; the spec carries the real one")
-    parser.add_argument("--node_rank", type=int, required=True)
+    parser.add_argument("--node_rank", type=_node_rank, required=True,
+                        help=f"this node's index in the spec, or '{SLURM_NODE_RANK}': find it by SLURMD_NODENAME")
     parser.add_argument("--spec_b64", help="the job spec in base64 (default: one JSON line on stdin)")
     parser.add_argument("--watch", choices=("stdin", "stdout"), default="stdin",
                         help="how to notice the launcher is gone: stdin EOF, or stdout hang-up (pdsh)")
     return parser
 
 
+def _node_rank(text: str) -> int | str:
+    if text == SLURM_NODE_RANK:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a node index or '{SLURM_NODE_RANK}'") from None
+
+
 def read_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> JobSpec:
-    """The spec from --spec_b64, or its line on stdin (read unbuffered: stdin stays the launcher's)."""
+    """The spec from --spec_b64, or its line on stdin (read unbuffered: stdin stays the launcher's).
+    `--node_rank slurm` is resolved here: args.node_rank becomes this node's index (`slurm_node`)."""
     if args.spec_b64:
         job = JobSpec.from_b64(args.spec_b64)
     else:
@@ -116,6 +170,33 @@ def read_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> JobSp
         while not line.endswith(b"\n") and (chunk := os.read(0, 1)):
             line += chunk
         job = JobSpec.from_json(line)
+    if args.node_rank == SLURM_NODE_RANK:
+        found = slurm_node(job, os.environ)
+        if isinstance(found, str):
+            parser.error(found)
+        args.node_rank, job = found
     if not 0 <= args.node_rank < len(job.nodes):
         parser.error(f"--node_rank {args.node_rank} is not in 0..{len(job.nodes) - 1}")
     return job
+
+
+def slurm_node(job: JobSpec, environ: Mapping[str, str]) -> tuple[int, JobSpec] | str:
+    """Under srun: this node's index in the job, found by name (SLURM_NODEID counts in Slurm's order, not
+    the plan's), and the job with this node's device ids taken from the step's CUDA_VISIBLE_DEVICES:
+    slot i is the step's i-th GPU, which need not be GPU i on a node shared with other jobs. A string
+    says why there is no such node."""
+    name = environ.get("SLURMD_NODENAME")
+    hosts = [node.host for node in job.nodes]
+    if not name:
+        return (f"--node_rank {SLURM_NODE_RANK}: SLURMD_NODENAME is not set, so this is no task started by "
+                "srun. Start it with srun (crew run --launcher slurm does).")
+    if name not in hosts:
+        return (f"--node_rank {SLURM_NODE_RANK}: this node ({name}, SLURMD_NODENAME) is not one of the "
+                f"job's nodes ({', '.join(hosts)}).")
+    index = hosts.index(name)
+    node = job.nodes[index]
+    ids = [part.strip() for part in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if part.strip()]
+    if not all(i.isdigit() for i in ids) or len(ids) <= max(node.slots):
+        return index, job
+    mapped = replace(node, slots=tuple(int(ids[slot]) for slot in node.slots))
+    return index, replace(job, nodes=(*job.nodes[:index], mapped, *job.nodes[index + 1:]))

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from crew.launcher.protocol import encode_event
+from crew.launcher.protocol import encode_event, split_long_lines
 
 STDERR_TAIL_LINES = 20
 
@@ -35,13 +35,16 @@ class Rank:
 
 
 class Output:
-    """Writes whole lines from many threads to the agent's stdout/stderr and to rank logs."""
+    """Writes whole lines from many threads to the agent's stdout/stderr and to rank logs; lines longer
+    than `line_max` go in pieces tagged with `node` (under srun, see protocol.split_long_lines)."""
 
-    def __init__(self, on_broken):
+    def __init__(self, on_broken, node: int = 0, line_max: int = 0):
         self._lock = threading.Lock()
         self._on_broken = on_broken
+        self.node, self.line_max = node, line_max
 
     def write(self, fd: int, data: bytes, log: BinaryIO | None = None, log_data: bytes = b""):
+        data = split_long_lines(data, self.node, self.line_max)
         with self._lock:
             if log is not None:
                 log.write(log_data)

@@ -1,4 +1,4 @@
-"""How the node agents get started: local, ssh, pdsh or standalone. Plan in, argv out.
+"""How the node agents get started: local, ssh, pdsh, standalone or slurm. Plan in, argv out.
 
 Each runner turns a JobSpec into `AgentLaunch`es, the processes `crew run` starts on the launching
 machine. Whatever goes to a remote shell is built with shlex quoting from validated parts; the job spec
@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from crew.errors import LaunchError
 from crew.launcher.proc import die_with_parent
-from crew.launcher.protocol import AGENT_MODULE, JobSpec
+from crew.launcher.protocol import AGENT_MODULE, SLURM_NODE_RANK, JobSpec
 
 RUNNERS = ("local", "ssh", "pdsh", "standalone", "slurm")
 # BatchMode: a missing key fails at once instead of prompting on a terminal nobody watches.
@@ -49,9 +50,13 @@ class AgentLaunch:
 
     node_ranks: tuple[int, ...]
     argv: tuple[str, ...]
-    label: str  # how messages name it: the host, or "pdsh"
+    label: str  # how messages name it: the host, "pdsh" or "srun"
     spec_on_stdin: bool = True
     env: dict[str, str] | None = None  # extra environment for this launching-side process
+    # How to end it at once (and what it gets when crew dies): srun must get SIGTERM, on which it kills
+    # its tasks; a SIGKILLed srun leaves them running until the allocation ends.
+    kill_signal: signal.Signals = signal.SIGKILL
+    chatter: tuple[bytes, ...] = ()  # how its own stderr lines start: kept off the console once crew stops
 
 
 def start(launch: AgentLaunch) -> subprocess.Popen:
@@ -63,7 +68,7 @@ def start(launch: AgentLaunch) -> subprocess.Popen:
     env = {**os.environ, **launch.env} if launch.env else None
     return subprocess.Popen(launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env, start_new_session=True,
-                            preexec_fn=die_with_parent)
+                            preexec_fn=lambda: die_with_parent(launch.kill_signal))
 
 
 def agent_argv(python: str, job: JobSpec, node_rank: int | str, *extra: str,
@@ -128,6 +133,28 @@ def pdsh_launches(job: JobSpec, python: str, ports: Sequence[int | None], ssh_ar
             "-w", ",".join(node.host for node in job.nodes), command]
     return [AgentLaunch(tuple(range(len(job.nodes))), tuple(argv), "pdsh", spec_on_stdin=False,
                         env={"PDSH_SSH_ARGS_APPEND": shlex.join(ssh)})]
+
+
+def slurm_launches(job: JobSpec, python: str, options: Sequence[str] = (), module: str = AGENT_MODULE,
+                   extra: Sequence[str] = ()) -> list[AgentLaunch]:
+    """One srun for every node (no ssh, no fan-out): one task per node, each an agent that finds its own
+    node by name. The agent's stdin is every task's (`--input=all`): the spec, `go`, `stacks` and EOF
+    reach all nodes at once. Other modules (the doctor's probe) get the spec in argv, as under pdsh.
+    `--whole` gives each agent its nodes' CPUs (a step otherwise gets one CPU per task); a failing
+    agent ends the step (`--kill-on-bad-exit`), though crew stops the others first itself."""
+    if not shutil.which("srun"):
+        raise LaunchError("--launcher slurm: srun is not installed here (not on PATH). Run crew where srun "
+                          "works: in the salloc shell or the sbatch script, on a node of the cluster.")
+    on_stdin = module == AGENT_MODULE
+    spec = () if on_stdin else ("--spec_b64", job.to_b64())
+    count = len(job.nodes)
+    srun = ["srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
+            f"--nodelist={','.join(node.host for node in job.nodes)}", "--kill-on-bad-exit=1",
+            "--export=ALL", f"--input={'all' if on_stdin else 'none'}", "--whole", f"--chdir={job.cwd}",
+            *options]
+    argv = [*srun, *agent_argv(python, job, SLURM_NODE_RANK, *extra, *spec, module=module)]
+    return [AgentLaunch(tuple(range(count)), tuple(argv), "srun", spec_on_stdin=on_stdin,
+                        kill_signal=signal.SIGTERM, chatter=(b"srun: ", b"slurmstepd"))]
 
 
 def ssh_config(host: str, port: int | None, ssh_args: Sequence[str] = ()) -> dict:

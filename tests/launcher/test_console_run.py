@@ -130,7 +130,7 @@ def test_a_file_gets_bars_thinned_and_the_logs_every_byte(job_dir):
                                                                 "logs", "bar.py"]
     [node] = record["nodes"]
     assert record["world_size"] == 2 and (node["host"], node["ranks"]) == ("localhost", [0, 1])
-    assert set(node["startup_s"]) == {"connect", "agent", "spawn", "total"}  # the console shows a summary
+    assert set(node["startup_s"]) == {"connect", "agent", "waited", "spawn", "total"}  # the console shows a summary
     assert (record["status"], record["exit_code"], record["exit_codes"]) == ("succeeded", 0, {"0": 0, "1": 0})
     assert record["first_failure"] is None and record["launcher"] == "local"
     started, ended = (datetime.datetime.fromisoformat(record[k]) for k in ("started_at", "ended_at"))

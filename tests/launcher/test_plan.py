@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -198,17 +197,6 @@ def test_master_addr_rejected(addr):
 TWO_NODES = "worker-1 slots=2\nworker-2:2222 slots=3 gpu=4,5,6\n"
 
 
-@pytest.fixture
-def here(tmp_path, monkeypatch):
-    """A clean directory, HOME and environment: no CREW_* defaults, no ~/.deepspeed_env."""
-    for name in list(os.environ):
-        if name.startswith("CREW_") or name == "DS_ENV_FILE":
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def hostfile(folder: Path, text: str = TWO_NODES) -> str:
     path = folder / "hosts"
     path.write_text(text)
@@ -302,7 +290,7 @@ def test_cli_plan_text(here, capsys):
     (["--master_addr", "m", "--num_nodes", "3"], ["--num_nodes 3", "only 2 host(s)"]),
     (["--master_addr", "m", "--launcher", "local"], ["--launcher local runs one node"]),
     (["--master_addr", "m", "--launcher", "standalone"], ["needs --node_rank"]),
-    (["--master_addr", "m", "--launcher", "slurm"], ["not supported yet", "srun"]),
+    (["--master_addr", "m", "--launcher", "slurm"], ["--launcher slurm", "leave out --hostfile"]),
     (["--master_addr", "m", "--env", "1BAD=x"], ["--env 1BAD=x"]),
 ])
 def test_cli_errors_are_one_message(here, capsys, options, words):
