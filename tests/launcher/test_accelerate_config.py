@@ -80,7 +80,11 @@ TRAIN = """
             "mixed_precision": accelerator.mixed_precision,
             "env": {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}}
     json.dump(seen, open(f"rank{accelerator.process_index}.json", "w"))
-    accelerator.wait_for_everyone()  # without it, gloo aborts a rank at exit in about 3 runs of 10 (README)
+    # Release the DDP model before the group goes (as crew's engine does at exit): left to interpreter
+    # shutdown, gloo can abort a rank that finished fine once rank 0, which holds the store, is gone (README).
+    del model, optimizer, loader
+    accelerator.free_memory()
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 """
 
