@@ -326,23 +326,22 @@ def launch_config(answers: Answers) -> dict:
     gpus = local_devices()
     if not answers.hosts and not answers.use_cpu and len(answers.local_slots) < len(gpus):
         data["gpu_ids"] = ",".join(map(str, answers.local_slots))
-    data["deepspeed_config"] = _deepspeed_block(answers)
+    if block := _deepspeed_block(answers):
+        data["deepspeed_config"] = block
     return data
 
 
 def _deepspeed_block(answers: Answers) -> dict:
     block: dict[str, Any] = {}
-    if answers.ds_config:
+    if answers.use_cpu:
+        pass  # Accelerate does not use DeepSpeed on the CPU: its keys would be ignored (crew says so)
+    elif answers.ds_config:
         block["deepspeed_config_file"] = shown(answers.ds_config)
     else:
         block["zero_stage"] = answers.zero_stage
         block["gradient_accumulation_steps"] = answers.grad_accum
     if answers.hosts:
         block["deepspeed_hostfile"] = shown(answers.hostfile)
-    if len(answers.hosts) > 1 and len({host.ssh_port for host in answers.hosts}) == 1:
-        # DeepSpeed's runner over ssh. pdsh cannot take a port per host: then leave it out, and crew run
-        # uses its ssh runner, which reads the ports from the hostfile.
-        block["deepspeed_multinode_launcher"] = "pdsh"
     return block
 
 
@@ -367,6 +366,10 @@ def confirm_overwrite(asker: Asker, paths: list[Path], force: bool) -> None:
     for path in paths:
         if path.is_dir():
             raise CrewError(f"crew config: {shown(path)} is a folder; choose a file name (or --output_dir).")
+        folder = next((p for p in path.parents if p.exists()), None)
+        if folder is not None and not folder.is_dir():
+            raise CrewError(f"crew config: {shown(folder)} is a file, so {shown(path)} cannot be written "
+                            "under it; choose another --output_dir (or path).")
     existing = [shown(p) for p in paths if p.exists()]
     if not existing or force:
         return

@@ -27,11 +27,11 @@ def config(folder: Path, *args: str, answers: str = "") -> subprocess.CompletedP
                           text=True, timeout=60, env={**os.environ, **CPU_ONLY})
 
 
-def read_configs(folder: Path) -> tuple[dict, dict]:
+def read_configs(folder: Path, ds_name: str = "ds_config.json") -> tuple[dict, dict]:
     launch = yaml.safe_load((folder / "crew_accelerate.yaml").read_text())
     assert set(launch) <= ACCELERATE_KEYS and launch["compute_environment"] == "LOCAL_MACHINE"
     assert launch["machine_rank"] == 0
-    ds = json.loads((folder / launch["deepspeed_config"]["deepspeed_config_file"]).read_text())
+    ds = json.loads((folder / ds_name).read_text())
     return launch, ds
 
 
@@ -41,14 +41,17 @@ def test_this_machine_with_every_default(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["crew_accelerate.yaml", "ds_config.json"]
     launch, ds = read_configs(tmp_path)
     assert launch == {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU", "num_machines": 1,
-                      "num_processes": 2, "machine_rank": 0, "use_cpu": True,
-                      "deepspeed_config": {"deepspeed_config_file": "ds_config.json"}}
+                      "num_processes": 2, "machine_rank": 0, "use_cpu": True}  # on the CPU: no DeepSpeed keys
     resolved = Config.from_dict(ds, world_size=launch["num_processes"])
     assert (resolved.train_batch_size, resolved.zero_optimization.stage) == (8, 2)
     assert "CPU processes to start [2]: " in result.stdout
     assert "accelerate launch --config_file crew_accelerate.yaml train.py" in result.stdout
     assert ("crew run --num_gpus 2 train.py --deepspeed --deepspeed_config ds_config.json --save_dir checkpoints"
             in result.stdout)
+    plan = subprocess.run(crew_command("plan", "--config_file", "crew_accelerate.yaml", "--json"), cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert plan.returncode == 0 and json.loads(plan.stdout)["world_size"] == 2, plan.stderr
+    assert "ignoring keys" not in plan.stderr  # it writes nothing crew would not use
 
 
 def test_several_machines_bad_answers_asked_again(tmp_path):
@@ -98,7 +101,8 @@ def test_yes_takes_defaults_and_flags(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("\ncrew config: wrote out/ds_config.json, out/crew_accelerate.yaml")
     launch = yaml.safe_load((tmp_path / "out/crew_accelerate.yaml").read_text())
-    assert launch["num_processes"] == 3 and launch["deepspeed_config"]["deepspeed_config_file"] == "out/ds_config.json"
+    assert launch["num_processes"] == 3 and "deepspeed_config" not in launch  # CPU: Accelerate has no DeepSpeed
+    assert "--deepspeed_config out/ds_config.json" in result.stdout
     ds = json.loads((tmp_path / "out/ds_config.json").read_text())
     assert ds["zero_optimization"] == {"stage": 1} and ds["fp16"] == {"enabled": True}
 
@@ -132,3 +136,11 @@ def test_doctor_checks_the_machines_of_an_existing_hostfile(make_cluster, tmp_pa
     assert launch["deepspeed_config"]["deepspeed_hostfile"] == str(hostfile)
     assert (launch["num_machines"], launch["num_processes"]) == (2, 2)
     assert not (job / "hostfile").exists()
+
+
+def test_an_output_dir_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "out").write_text("")
+    result = config(tmp_path, "--yes", "--output_dir", "out")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "out is a file, so out/ds_config.json cannot be written under it; choose another --output_dir" in (
+        result.stdout + result.stderr)

@@ -216,7 +216,7 @@ def _world(key: _Keys, ds: dict, config: AccelerateConfig) -> None:
     config.options.update(master_addr=ip, master_port=_main_port(key, data.get("main_process_port")),
                           no_local_rank=True, hostfile=None, include="", exclude="", launcher=None)
     launch = {k: key.text(f"deepspeed_config.{k}", ds[k]) for k in DEEPSPEED_LAUNCH if ds.get(k)}
-    gpu_ids = None if _no_op(data.get("gpu_ids")) else key.text("gpu_ids", data["gpu_ids"])
+    gpu_ids = _gpu_ids(key, data.get("gpu_ids"))
     if machines == 1:  # as `accelerate launch`: one machine runs here, whatever the hostfile says
         config.ignored += [f"deepspeed_config.{k} (num_machines is 1)" for k in launch]
         if gpu_ids:  # Accelerate's CUDA_VISIBLE_DEVICES: these devices of this machine
@@ -234,6 +234,16 @@ def _world(key: _Keys, ds: dict, config: AccelerateConfig) -> None:
                           include=launch.get("deepspeed_inclusion_filter", ""),
                           exclude=launch.get("deepspeed_exclusion_filter", ""),
                           launcher=_launcher(key, launch.get("deepspeed_multinode_launcher")))
+
+
+def _gpu_ids(key: _Keys, value: object) -> str | None:
+    """Accelerate's gpu_ids: "all" (or nothing) for every device, else device ids separated by commas."""
+    if value is None or value in ("", "all"):
+        return None
+    ids = key.text("gpu_ids", value).replace(" ", "")
+    if not all(part.isdigit() for part in ids.split(",")):
+        raise key.fail("gpu_ids", f"{value!r} is not device ids separated by commas", "Write e.g. 0,1, or all.")
+    return ids
 
 
 def _main_port(key: _Keys, port: object) -> int | None:
@@ -309,6 +319,9 @@ def launch_options(config: AccelerateConfig, args: argparse.Namespace) -> dict[s
     machine_rank, each machine started by hand as `accelerate launch` on each."""
     options = dict(config.options)
     hostfile = args.hostfile or options["hostfile"]
+    if not args.hostfile and hostfile and not Path(hostfile).is_file():
+        raise CrewError(f"{config.path}: deepspeed_config.deepspeed_hostfile: {hostfile} not found (from "
+                        f"{Path.cwd()}). Fix the path in the YAML, or pass --hostfile.")
     if not (args.include or args.exclude or options["include"] or options["exclude"]):
         options["num_gpus"] = config.per_machine
         if hostfile:

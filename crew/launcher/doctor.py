@@ -13,6 +13,7 @@ import collections
 import json
 import os
 import shlex
+import signal
 import subprocess
 import threading
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 from crew.errors import CrewError
 from crew.launcher import probe, runners
 from crew.launcher.gate import Judge
-from crew.launcher.job import FANOUT, LINE_MAX, fit_list
+from crew.launcher.job import FANOUT, LINE_MAX, STOP_WAIT_S, fit_list
 from crew.launcher.launch import NO_SCRIPT, Launch, agent_launches, job_spec
 from crew.launcher.proc import signal_tree
 from crew.launcher.protocol import JobSpec, decode_event, whole_lines
@@ -122,7 +123,11 @@ def _run_one(launch, job: JobSpec, timeout: float,
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         signal_tree(proc.pid, launch.kill_signal)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:  # srun takes SIGTERM first; one that still hangs gets SIGKILL
+            signal_tree(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
         err += f"no answer within {timeout:.0f} s (timed out)".encode()
     return proc.returncode, out, err
 

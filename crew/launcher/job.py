@@ -36,8 +36,9 @@ from crew.launcher.runners import AgentLaunch, ssh_fix
 
 STOP_WAIT_S = 15.0  # after asking agents to stop: their grace period plus this, then SIGKILL
 AGENT_TAIL_LINES = 20
-# At most this many agents connecting at once (pdsh's -f; --fanout): the rest start as those report
-# their ranks started, so the launcher's ssh handshakes and the nodes' Python start-ups overlap boundedly.
+# At most this many agents connecting at once (pdsh's -f; --fanout): the rest start as those send their
+# preflight facts (or, without a preflight, report their ranks started), so the launcher's ssh handshakes
+# and the nodes' Python start-ups overlap boundedly.
 FANOUT = 32
 LINE_MAX = 200  # crew's own lines stay this short whatever the node count (--verbose: every node)
 SLOWEST = 3
@@ -63,7 +64,7 @@ class JobRun:
         self.ports, self.record, self.verbose = ports or {}, record, verbose
         self.fanout = max(1, fanout)
         self.pending = collections.deque(launches)  # not started yet: the fan-out window is full
-        self.connecting = 0  # agents started whose ranks are not all up yet (nor have they ended)
+        self.connecting = 0  # agents started that have not answered yet (Agent.connecting)
         self.all_started_at: float | None = None  # monotonic: every node reported its ranks started
         self.finished_at: float | None = None  # monotonic: every agent has exited
         self.events: queue.Queue = queue.Queue()

@@ -196,7 +196,11 @@ def slurm_node(job: JobSpec, environ: Mapping[str, str]) -> tuple[int, JobSpec] 
     index = hosts.index(name)
     node = job.nodes[index]
     ids = [part.strip() for part in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if part.strip()]
-    if not all(i.isdigit() for i in ids) or len(ids) <= max(node.slots):
-        return index, job
+    if not ids or not all(i.isascii() and i.isdigit() for i in ids):
+        return index, job  # no GPUs here (CPU ranks), or ids crew cannot map (UUIDs, MIG)
+    if len(ids) <= max(node.slots):
+        return (f"this node ({name}) has the GPUs {','.join(ids)} in this job (CUDA_VISIBLE_DEVICES), too few "
+                f"for its slots {','.join(map(str, node.slots))}. Pass --num_gpus {len(ids)}, or ask Slurm for "
+                "more GPUs per node.")
     mapped = replace(node, slots=tuple(int(ids[slot]) for slot in node.slots))
     return index, replace(job, nodes=(*job.nodes[:index], mapped, *job.nodes[index + 1:]))

@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 
 from crew.errors import LaunchError, PlanError
-from crew.launcher.hostfile import Host
+from crew.launcher.hostfile import Host, is_number
 
 MAX_RANGE = 64 * 1024  # Slurm's own limit on one range ("Too many hosts in range")
 _RANGE = re.compile(r"(\d+)(?:-(\d*))?")
@@ -131,7 +131,7 @@ def step_tasks(environ: Mapping[str, str]) -> int | None:
     """How many tasks the job step that crew runs in has; None outside a step (salloc's shell, a batch
     script, which set SLURM_JOB_ID but no numbered SLURM_STEP_ID)."""
     step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID", ""))
-    if not step.isdigit() or int(step) >= _SPECIAL_STEPS:
+    if not is_number(step) or int(step) >= _SPECIAL_STEPS:
         return None
     return _count(environ, "SLURM_STEP_NUM_TASKS") or 1
 
@@ -187,7 +187,7 @@ def _gpu_count(environ: Mapping[str, str], name: str) -> int:
     if not text:
         return 0
     counts = [part.rpartition(":")[2] for part in text.split(",")]
-    if not all(count.isdigit() for count in counts):
+    if not all(is_number(count) for count in counts):
         raise LaunchError(f"{name}={text!r}: expected a GPU count such as 8 or a100:8. Fix or unset "
                           f"{name}, or pass --num_gpus N.")
     return sum(map(int, counts))
@@ -197,7 +197,7 @@ def _count(environ: Mapping[str, str], name: str) -> int | None:
     text = environ.get(name, "").strip()
     if not text:
         return None
-    if not text.isdigit() or int(text) < 1:
+    if not is_number(text) or int(text) < 1:
         raise LaunchError(f"{name}={text!r}: expected a whole number >= 1. Fix or unset {name}.")
     return int(text)
 

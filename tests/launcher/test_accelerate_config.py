@@ -136,7 +136,8 @@ def test_seed_002_yaml_reads_as_deepspeed_launch_options(here):
                                        "zero3_init_flag"}
     assert said[-1] == ("--config_file accelerate_config.yaml: ignoring keys crew has no use for: "
                         "dynamo_config")
-    assert said[0].startswith("--config_file accelerate_config.yaml: as ")
+    assert said[0] == ("--config_file accelerate_config.yaml: as --master_addr 10.98.115.10 --no_local_rank "
+                       "--hostfile ./hostfile --launcher pdsh --num_gpus 8 --num_nodes 2")  # not --master_port: given
 
 
 def test_seed_002_port_22_is_refused_unless_a_flag_overrides_it(here, capsys):
@@ -412,3 +413,16 @@ def test_the_slurm_launcher_takes_the_allocations_nodes(here):
     args, _ = applied("--config_file", name)
     assert (args.launcher, args.num_nodes, args.num_gpus, args.node_rank) == ("slurm", 2, 4, None)
     assert not getattr(args, "machines", None)  # no standalone node list: Slurm says which nodes
+
+
+def test_bad_gpu_ids_and_a_missing_deepspeed_hostfile_name_their_keys(here):
+    name = yaml_file(here, "distributed_type: MULTI_GPU\nnum_processes: 2\ngpu_ids: a,b\n")
+    with pytest.raises(CrewError, match=r"accelerate_config.yaml: gpu_ids: 'a,b' is not device ids separated"):
+        applied("--config_file", name)
+    name = yaml_file(here, "distributed_type: MULTI_GPU\nnum_processes: 1\ngpu_ids: 0\n")
+    assert applied("--config_file", name)[0].include == "localhost:0"  # 0 is a device, not "unset"
+    name = yaml_file(here, "distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 2\n"
+                     "deepspeed_config:\n  deepspeed_hostfile: nohosts\n")
+    with pytest.raises(CrewError, match=r"accelerate_config.yaml: deepspeed_config.deepspeed_hostfile: nohosts "
+                                        r"not found .*Fix the path in the YAML, or pass --hostfile"):
+        applied("--config_file", name)

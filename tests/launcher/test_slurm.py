@@ -343,6 +343,9 @@ def test_each_agent_finds_its_node_by_name_and_maps_its_devices():
     assert "SLURMD_NODENAME is not set" in slurm_node(spec, {})
     assert "(gpu09, SLURMD_NODENAME) is not one of the job's nodes (gpu01, gpu02)" in slurm_node(
         spec, {"SLURMD_NODENAME": "gpu09"})
+    too_few = slurm_node(spec, {"SLURMD_NODENAME": "gpu02", "CUDA_VISIBLE_DEVICES": "5"})
+    assert too_few == ("this node (gpu02) has the GPUs 5 in this job (CUDA_VISIBLE_DEVICES), too few for its "
+                       "slots 0,1. Pass --num_gpus 1, or ask Slurm for more GPUs per node.")
 
 
 def test_long_lines_go_in_pieces_and_come_back_whole():
