@@ -110,6 +110,16 @@ def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _flag(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An answer's check as an argparse type: a bad flag value is argparse's error naming the flag."""
+    def checked(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return checked
+
+
 def _port_or(word: str) -> Callable[[str], int | None]:
     def parse(text: str) -> int | None:
         if text == word:
@@ -485,8 +495,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-H", "--hostfile", help="an existing hostfile to use (the default answer; with "
                         "--yes, several machines need one)")
     option("--output_dir", default=".", metavar="DIR", help="where new files go (default: here)")
-    option("--num_gpus", type=int, metavar="N", help="processes per machine (default: this machine's GPUs, "
-           f"or {CPU_PROCESSES} CPU processes)")
+    option("--num_gpus", type=_flag(_whole(1)), metavar="N",
+           help=f"processes per machine (default: this machine's GPUs, or {CPU_PROCESSES} CPU processes)")
     option("--zero_stage", type=int, choices=range(4), help=f"ZeRO stage (default: {ZERO_STAGE})")
     parser.add_argument("--precision", choices=PRECISIONS, help="no, fp16 or bf16 (default: bf16 with GPUs)")
     parser.add_argument("--script", help=f"the training script (default: {SCRIPT})")

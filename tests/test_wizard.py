@@ -144,3 +144,9 @@ def test_an_output_dir_that_is_a_file_is_named(tmp_path):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "out is a file, so out/ds_config.json cannot be written under it; choose another --output_dir" in (
         result.stdout + result.stderr)
+
+
+def test_a_bad_flag_value_is_named():
+    result = subprocess.run(crew_command("config", "--yes", "--num_gpus", "0"), capture_output=True, text=True)
+    assert result.returncode == 2 and "argument --num_gpus/--num-gpus: '0' is not a whole number 1 or more." in (
+        result.stderr)
