@@ -19,7 +19,7 @@ shares this machine's cores too, so the wall times add up costs that real nodes 
 launcher's CPU is what stays on the one machine that launches, on a real cluster as well.
 
 The row "floor: ssh + python" is the least any ssh launcher can do: one ssh login per node running
-the nodes' Python (the venv's, in the repository root) that only imports crew.launcher.agent, at most
+the nodes' Python (the venv's, in the repository root) that only imports crew.launcher.node.agent, at most
 32 at a time (crew's fan-out window), timed from the first start to the last exit; its launcher CPU
 is the sum over the ssh clients.
 
@@ -69,7 +69,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import sshnodes  # noqa: E402  (tests/sshnodes.py)
 from launch import _process_table, stop_trees, tool  # noqa: E402  (benchmarks/launch.py)
 
-from crew.launcher.job import FANOUT  # noqa: E402
+from crew.launcher.job.run import FANOUT  # noqa: E402
 
 PHASES = ("preflight", "agents up", "ranks done", "exit")
 TIMING_RE = re.compile(r"timing \(s since crew started\): (.*)")
@@ -160,7 +160,7 @@ def reap(proc: subprocess.Popen, timeout: float, stop) -> tuple[int | None, floa
 
 def floor_once(cluster: sshnodes.Cluster, timeout: float) -> Run:
     """One ssh login per node running the nodes' Python that only imports the agent, FANOUT at a time."""
-    command = f"cd {shlex.quote(str(REPO))} && exec {shlex.quote(sys.executable)} -c 'import crew.launcher.agent'"
+    command = f"cd {shlex.quote(str(REPO))} && exec {shlex.quote(sys.executable)} -c 'import crew.launcher.node.agent'"
 
     def login(address: str) -> tuple[int | None, float | None, bool, str]:
         proc = subprocess.Popen(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",

@@ -17,14 +17,15 @@ from pathlib import Path
 
 from crew import __version__, wizard
 from crew.errors import CrewError
-from crew.launcher import runners
-from crew.launcher.hostfile import is_number
-from crew.launcher.console import Console
-from crew.launcher.gate import PreflightGate
-from crew.launcher.job import FANOUT, JobRun
-from crew.launcher.launch import Launch, agent_launches, format_layout, job_spec, local_devices, remote_nodes, resolve
-from crew.launcher.record import JobRecord
-from crew.launcher.timing import Timing
+from crew.launcher.transport import runners
+from crew.launcher.plan.hostfile import is_number
+from crew.launcher.console.console import Console
+from crew.launcher.preflight.gate import PreflightGate
+from crew.launcher.job.run import FANOUT, JobRun
+from crew.launcher.plan.launch import (Launch, agent_launches, format_layout, job_spec, local_devices, remote_nodes,
+                                       resolve)
+from crew.launcher.job.record import JobRecord
+from crew.launcher.job.timing import Timing
 from crew.units import parse_bytes, parse_count
 
 
@@ -151,7 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.sync:
         sync_code(launch, args, [], console.say)
     if not args.skip_preflight and launch.launcher == "pdsh":  # over ssh, the agents do it (gate)
-        from crew.launcher import doctor
+        from crew.launcher.preflight import doctor
 
         code = doctor.preflight(launch, args, console.say, args.verbose)
         if code:
@@ -194,13 +195,13 @@ def _preflight_gate(launch: Launch, job, args: argparse.Namespace) -> PreflightG
     first, on its own (cmd_run)."""
     if args.skip_preflight or launch.launcher not in ("ssh", "slurm"):
         return None
-    from crew.launcher import doctor
+    from crew.launcher.preflight import doctor
 
     return PreflightGate(len(job.nodes), doctor.preflight_judge(launch, job, args.verbose))
 
 
 def sync_code(launch: Launch, args: argparse.Namespace, paths: list[str], say) -> None:
-    from crew.launcher import sync
+    from crew.launcher.transport import sync
 
     sync.sync_nodes(remote_nodes(launch), paths, Path.cwd(), launch.ssh_args, args.sync_tool, say)
 
@@ -212,7 +213,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from crew.launcher import doctor
+    from crew.launcher.preflight import doctor
 
     return doctor.run_doctor(resolve(args), args)
 
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if getattr(args, "config_file", None):
-            from crew.launcher.accelerate import apply_config_file
+            from crew.launcher.plan.accelerate import apply_config_file
 
             apply_config_file(args, lambda text: print(f"crew: {text}", file=sys.stderr), args.command == "run")
         return args.handler(args)

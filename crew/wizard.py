@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from crew.errors import CrewError, HostfileError
-from crew.launcher.hostfile import Host, is_number, parse_hostfile, read_hostfile
-from crew.launcher.launch import local_devices
-from crew.launcher.plan import is_local_name
+from crew.launcher.plan.hostfile import Host, is_number, parse_hostfile, read_hostfile
+from crew.launcher.plan.launch import local_devices
+from crew.launcher.plan.plan import is_local_name
 
 LAUNCH_CONFIG = "crew_accelerate.yaml"
 DS_CONFIG = "ds_config.json"

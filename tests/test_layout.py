@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO
 
 MAX_LINES = 600
+MAX_FOLDER_MODULES = 20  # a folder past this many modules gets subpackages by stage
 LEAVES = ("crew.errors", "crew.log", "crew.units")
 # importer -> the crew modules it must not reach (a name covers its submodules)
 FORBIDDEN = {
@@ -90,6 +91,13 @@ def oversized(root: Path, limit: int = MAX_LINES) -> list[tuple[str, int]]:
             if (count := len(path.read_text().splitlines())) > limit]
 
 
+def crowded(root: Path, limit: int = MAX_FOLDER_MODULES) -> list[tuple[str, int]]:
+    """Folders of crew holding more than `limit` modules of their own (__init__.py not counted)."""
+    folders = [root / "crew", *(p for p in (root / "crew").rglob("*") if p.is_dir() and p.name != "__pycache__")]
+    counts = [(str(f.relative_to(root)), len([m for m in f.glob("*.py") if m.name != "__init__.py"])) for f in folders]
+    return sorted((name, count) for name, count in counts if count > limit)
+
+
 def _within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
@@ -115,6 +123,10 @@ def test_no_module_over_the_line_limit():
     assert oversized(REPO) == []
 
 
+def test_no_folder_over_the_module_limit():
+    assert crowded(REPO) == []
+
+
 def test_imports_run_one_way():
     assert wrong_way(import_graph(REPO)) == []
 
@@ -138,7 +150,7 @@ def test_checks_see_a_circle_hidden_in_a_function_and_a_long_module(tmp_path):
         "crew/runtime/config.py": "from . import batch\n",
         "crew/runtime/batch.py": "x = 1\n" * (MAX_LINES + 1),
         "crew/launcher/__init__.py": "",
-        "crew/launcher/doctor.py": "from crew.runtime.batch import x\n",
+        "crew/launcher/preflight/doctor.py": "from crew.runtime.batch import x\n",
         "crew/errors.py": "import crew.log\n",
         "crew/log.py": "from crew.runtime import config\n",
     })
@@ -146,7 +158,9 @@ def test_checks_see_a_circle_hidden_in_a_function_and_a_long_module(tmp_path):
     assert circles(graph) == [["crew.runtime.engine", "crew.runtime.zero"]]
     assert graph["crew.runtime.config"] == {"crew.runtime.batch"}  # relative import resolved
     assert oversized(root) == [("crew.runtime.batch", MAX_LINES + 1)]
-    assert wrong_way(graph) == ["crew.launcher.doctor imports crew.runtime.batch", "crew.log imports crew.runtime",
+    assert crowded(root, limit=2) == [("crew/runtime", 4)]
+    assert wrong_way(graph) == ["crew.launcher.preflight.doctor imports crew.runtime.batch",
+                                "crew.log imports crew.runtime",
                                 "crew.log imports crew.runtime.config"]  # a leaf may import a leaf
 
 
@@ -180,7 +194,7 @@ def test_documented_import_paths_are_the_runtime_modules():
     assert issubclass(crew.ConfigError, ValueError)
 
 
-@pytest.mark.parametrize("module", ["crew", "crew.cli", "crew.launcher.agent", "crew.launcher.probe"])
+@pytest.mark.parametrize("module", ["crew", "crew.cli", "crew.launcher.node.agent", "crew.launcher.preflight.probe"])
 def test_the_launching_side_does_not_import_torch(module):
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

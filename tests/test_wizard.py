@@ -13,7 +13,7 @@ import yaml
 
 from conftest import crew_command
 
-from crew.launcher.hostfile import Host, read_hostfile
+from crew.launcher.plan.hostfile import Host, read_hostfile
 from crew.runtime.config import Config
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # the same questions and defaults on a machine with GPUs

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from crew.launcher.agent import DEEPSPEED_SHIM
+from crew.launcher.node.agent import DEEPSPEED_SHIM
 
 
 def run_as_deepspeed(script: str, cwd: Path) -> list[str]:

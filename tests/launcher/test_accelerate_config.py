@@ -16,10 +16,10 @@ from conftest import crew, write_script
 
 from crew import cli
 from crew.errors import CrewError
-from crew.launcher import accelerate as acc
-from crew.launcher.agent import rank_env
-from crew.launcher.env import parse_env_flags
-from crew.launcher.protocol import JobSpec, NodeSpec
+from crew.launcher.plan import accelerate as acc
+from crew.launcher.node.agent import rank_env
+from crew.launcher.plan.env import parse_env_flags
+from crew.launcher.transport.protocol import JobSpec, NodeSpec
 
 # Seed 002's `accelerate config` YAML, as the seed wrote it (its hostfile: two 8-GPU machines).
 SEED_002 = """\
@@ -337,7 +337,7 @@ def test_keys_with_no_effect_are_named_in_one_line():
     (True, {}, None),  # never where there is a GPU
 ])
 def test_rank_env_tells_accelerate_to_use_the_cpu(monkeypatch, gpu, base, expected):
-    monkeypatch.setattr("crew.launcher.agent.has_gpu", lambda: gpu)
+    monkeypatch.setattr("crew.launcher.node.agent.has_gpu", lambda: gpu)
     job = JobSpec(job_id="j", nodes=(NodeSpec("n0", (0, 1), (0, 1)),), master_addr="m", master_port=1,
                   program=("t.py",), cwd="/", env={})
     assert rank_env(job, 0, 0, base).get("ACCELERATE_USE_CPU") == expected

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from crew.launcher.agent import preflight, rank_argv, rank_env
-from crew.launcher.protocol import JobSpec, NodeSpec
+from crew.launcher.node.agent import preflight, rank_argv, rank_env
+from crew.launcher.transport.protocol import JobSpec, NodeSpec
 
 
 # --------------------------------------------------------------------------------------------

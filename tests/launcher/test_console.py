@@ -1,4 +1,4 @@
-"""The launcher's console (crew/launcher/console.py) without processes: merging the same line from many
+"""The launcher's console (crew/launcher/console/console.py) without processes: merging the same line from many
 ranks, the progress area of a terminal, thinning for files. `test_console_run.py` runs real jobs."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from terminal import replay
 
 from crew.errors import CrewError
-from crew.launcher.console import (PROGRESS_INTERVAL_ENV, Board, Console, Merger, Thinner, also_on,
+from crew.launcher.console.console import (PROGRESS_INTERVAL_ENV, Board, Console, Merger, Thinner, also_on,
                                    env_seconds, fit, summary)
-from crew.launcher.protocol import PROGRESS_MARK
-from crew.launcher.ranges import spans
+from crew.launcher.transport.protocol import PROGRESS_MARK
+from crew.launcher.console.ranges import spans
 
 
 @pytest.mark.parametrize("ranks, text", [

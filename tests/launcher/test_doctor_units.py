@@ -6,8 +6,10 @@ import argparse
 
 import pytest
 
-from crew.launcher import doctor, probe
-from crew.launcher.plan import NodePlan
+from crew.launcher.preflight import doctor
+
+from crew.launcher.preflight import probe
+from crew.launcher.plan.plan import NodePlan
 
 NAMES = ["docker0", "eth0", "eth1", "ib0", "lo"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from crew.errors import CrewError
-from crew.launcher.env import gather_env, parse_env_flags, read_env_file
+from crew.launcher.plan.env import gather_env, parse_env_flags, read_env_file
 
 
 @pytest.fixture

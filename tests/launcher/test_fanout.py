@@ -9,11 +9,12 @@ import pytest
 from conftest import crew, write_script
 
 from crew.errors import CrewError
-from crew.launcher import doctor, job
-from crew.launcher.hostfile import Host
-from crew.launcher.launch import Launch, format_layout
-from crew.launcher.plan import build_plan
-from crew.launcher.timing import Timing
+from crew.launcher.preflight import doctor
+from crew.launcher.job import run as job
+from crew.launcher.plan.hostfile import Host
+from crew.launcher.plan.launch import Launch, format_layout
+from crew.launcher.plan.plan import build_plan
+from crew.launcher.job.timing import Timing
 
 LINE_MAX = 200
 NOOP = """

@@ -1,4 +1,4 @@
-"""The merged preflight (crew.launcher.gate) with real agent processes on this machine: nothing starts
+"""The merged preflight (crew.launcher.preflight.gate) with real agent processes on this machine: nothing starts
 before the verdict, nothing at all when it refuses, and a silent or dead agent is judged, not waited on.
 (Over real ssh nodes: tests/launcher/test_doctor.py and test_fanout.py.)"""
 
@@ -10,13 +10,13 @@ import time
 
 from conftest import processes_in, write_script
 
-from crew.launcher import runners
-from crew.launcher.console import Console
-from crew.launcher.gate import PreflightGate
-from crew.launcher.job import JobRun
-from crew.launcher.probe import script_hash
-from crew.launcher.protocol import JobSpec, NodeSpec
-from crew.launcher.runners import AgentLaunch
+from crew.launcher.transport import runners
+from crew.launcher.console.console import Console
+from crew.launcher.preflight.gate import PreflightGate
+from crew.launcher.job.run import JobRun
+from crew.launcher.preflight.probe import script_hash
+from crew.launcher.transport.protocol import JobSpec, NodeSpec
+from crew.launcher.transport.runners import AgentLaunch
 
 SCRIPT = """
     import os

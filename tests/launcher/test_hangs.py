@@ -18,8 +18,10 @@ import time
 import pytest
 from conftest import crew, ranks_saying, wait_until_gone, write_script
 
-from crew.launcher import joinwatch, stacks
-from crew.launcher.joinwatch import CONNECTING, JOINED, LISTENING, NOT_CONNECTED
+from crew.launcher.node import joinwatch
+
+from crew.launcher.node import stacks
+from crew.launcher.node.joinwatch import CONNECTING, JOINED, LISTENING, NOT_CONNECTED
 
 # --------------------------------------------------------------------------------------------
 # joinwatch: /proc with real sockets

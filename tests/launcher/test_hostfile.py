@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from crew.errors import HostfileError
-from crew.launcher.hostfile import Host, parse_hostfile, read_hostfile
+from crew.launcher.plan.hostfile import Host, parse_hostfile, read_hostfile
 
 FILE = "cluster.hosts"
 

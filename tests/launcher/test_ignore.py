@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from crew.errors import CrewError
-from crew.launcher.ignore import DEFAULT_PATTERNS, is_ignored, list_files, parse_rule, parse_rules
+from crew.launcher.transport.ignore import DEFAULT_PATTERNS, is_ignored, list_files, parse_rule, parse_rules
 
 # (rules, path, is_dir, excluded?) read "with RULES, PATH (a folder when is_dir) is excluded?"
 CASES = [

@@ -12,9 +12,9 @@ import pytest
 
 from crew import cli
 from crew.errors import PlanError
-from crew.launcher import runners
-from crew.launcher.hostfile import Host, parse_hostfile
-from crew.launcher.plan import build_plan, check_master_addr, parse_filter, select_hosts
+from crew.launcher.transport import runners
+from crew.launcher.plan.hostfile import Host, parse_hostfile
+from crew.launcher.plan.plan import build_plan, check_master_addr, parse_filter, select_hosts
 
 HOSTS = parse_hostfile("""
 a slots=4
@@ -380,7 +380,7 @@ def test_crew_plan_does_not_import_torch(here):
 
 
 def test_crew_entry_point_and_agent_do_not_import_torch(here):
-    script = ("import sys, crew.cli, crew.launcher.agent; "
+    script = ("import sys, crew.cli, crew.launcher.node.agent; "
               f"code = crew.cli.main(['plan', '-H', {hostfile(here)!r}, '--master_addr', 'm']); "
               "assert code == 0, code; "
               "assert 'torch' not in sys.modules, 'torch imported'")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from crew.errors import LaunchError
-from crew.launcher import runners
-from crew.launcher.protocol import AGENT_MODULE, JobSpec, NodeSpec
+from crew.launcher.transport import runners
+from crew.launcher.transport.protocol import AGENT_MODULE, JobSpec, NodeSpec
 
 NASTY = "a b 'single' \"double\" $(touch {marker}) `touch {marker}` ; touch {marker} & $HOME \\ \n"
 

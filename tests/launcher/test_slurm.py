@@ -17,9 +17,10 @@ from conftest import crew_command, wait_for_file, wait_until_gone, write_script
 
 from crew import cli
 from crew.errors import LaunchError, PlanError
-from crew.launcher import runners, slurm
-from crew.launcher.proc import children
-from crew.launcher.protocol import (SLURM_NODE_RANK, JobSpec, NodeSpec, slurm_node, split_long_lines,
+from crew.launcher.transport import runners
+from crew.launcher.plan import slurm
+from crew.launcher.transport.proc import children
+from crew.launcher.transport.protocol import (SLURM_NODE_RANK, JobSpec, NodeSpec, slurm_node, split_long_lines,
                                     whole_lines)
 
 NODES = ["127.0.0.2", "127.0.0.3"]
@@ -322,10 +323,10 @@ def test_one_srun_for_every_node(monkeypatch):
     for option in ("--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=gpu01,gpu02",
                    "--kill-on-bad-exit=1", "--export=ALL", "--input=all", "--chdir=/work/dir", "--overlap"):
         assert option in argv
-    assert argv[argv.index("/opt/py"):] == ["/opt/py", "-u", "-m", "crew.launcher.agent", "--job", "j0b",
+    assert argv[argv.index("/opt/py"):] == ["/opt/py", "-u", "-m", "crew.launcher.node.agent", "--job", "j0b",
                                             "--node_rank", "slurm"]
     assert launch.spec_on_stdin and launch.kill_signal == signal.SIGTERM
-    (probe,) = runners.slurm_launches(job(), "/opt/py", module="crew.launcher.probe")
+    (probe,) = runners.slurm_launches(job(), "/opt/py", module="crew.launcher.preflight.probe")
     assert "--input=none" in probe.argv and "--spec_b64" in probe.argv and not probe.spec_on_stdin
 
 

@@ -1,4 +1,4 @@
-"""Slurm's compressed node lists and per-node counts (crew/launcher/slurm.py), checked against scontrol."""
+"""Slurm's compressed node lists and per-node counts (crew/launcher/plan/slurm.py), checked against scontrol."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from crew.errors import LaunchError
-from crew.launcher.slurm import expand_nodelist, expand_tasks_per_node
+from crew.launcher.plan.slurm import expand_nodelist, expand_tasks_per_node
 
 
 @pytest.mark.parametrize("text, hosts", [

@@ -1,10 +1,10 @@
-"""A rank stream cut into lines and progress-bar updates (crew/launcher/streams.py): pure, no processes."""
+"""A rank stream cut into lines and progress-bar updates (crew/launcher/node/streams.py): pure, no processes."""
 
 from __future__ import annotations
 
 import pytest
 
-from crew.launcher.streams import LINE, MAX_LINE, PROGRESS, StreamSplitter, segments
+from crew.launcher.node.streams import LINE, MAX_LINE, PROGRESS, StreamSplitter, segments
 
 L, P = LINE, PROGRESS
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import crew, write_script
 
-from crew.launcher.ignore import list_files
-from crew.launcher.sync import _remote_path
+from crew.launcher.transport.ignore import list_files
+from crew.launcher.transport.sync import _remote_path
 
 NODE3 = "127.0.0.3"
 SHARED = "127.0.0.2: sees the same files as this machine (shared filesystem or this machine): nothing to copy"

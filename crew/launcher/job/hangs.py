@@ -14,10 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from crew.launcher import joinwatch, stacks
-from crew.launcher.joinwatch import CONNECTING, EXITED, JOINED, LISTENING, NOT_CONNECTED
-from crew.launcher.protocol import JobSpec
-from crew.launcher.runners import AgentLaunch
+from crew.launcher.node import joinwatch
+
+from crew.launcher.node import stacks
+from crew.launcher.node.joinwatch import CONNECTING, EXITED, JOINED, LISTENING, NOT_CONNECTED
+from crew.launcher.transport.protocol import JobSpec
+from crew.launcher.transport.runners import AgentLaunch
 
 HANG_EXIT_CODE = 124  # as timeout(1): the ranks did not all join within --init_timeout
 

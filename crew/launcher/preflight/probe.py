@@ -1,4 +1,4 @@
-"""`python -m crew.launcher.probe`: what one node looks like, for `crew doctor` and `crew run`'s preflight.
+"""`python -m crew.launcher.preflight.probe`: what one node looks like, for `crew doctor` and `crew run`'s preflight.
 
 Started on every node like the agent (same runner, same Python, in the job's working directory, the
 same JobSpec on stdin or as base64 under pdsh). It prints one `probe` event line with the facts and
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import crew
-from crew.launcher.protocol import JobSpec, encode_event, node_arguments, read_job, split_long_lines
+from crew.launcher.transport.protocol import JobSpec, encode_event, node_arguments, read_job, split_long_lines
 
 GREETING = b"crew-doctor\n"
 MASTER_WAIT_S = 8.0  # how long node 0 listens and the others keep trying to connect
@@ -98,7 +98,7 @@ def script_hash(job: JobSpec) -> str | None:
 
 def manifest(root: Path) -> dict:
     """{relative path: hash} of the files `crew sync` would copy, as far as MAX_FILES."""
-    from crew.launcher.ignore import list_files
+    from crew.launcher.transport.ignore import list_files
 
     names = list_files(root)
     hashes = {}
@@ -234,7 +234,7 @@ def probe(job: JobSpec, node_rank: int, full: bool, save_dir: str | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = node_arguments("python -m crew.launcher.probe", "crew's node check (started by `crew doctor`).")
+    parser = node_arguments("python -m crew.launcher.preflight.probe", "crew's node check (started by `crew doctor`).")
     parser.add_argument("--full", action="store_true", help="every check, not only the quick ones")
     parser.add_argument("--save_dir", help="where checkpoints go (relative to the job's directory)")
     args = parser.parse_args(argv)

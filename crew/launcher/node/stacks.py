@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from crew.launcher.ranges import rank_list
+from crew.launcher.console.ranges import rank_list
 
 _FATAL = "Fatal Python error:"
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+).*\(most recent call first\):$")

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crew.errors import LaunchError, PlanError
-from crew.launcher import runners, slurm
-from crew.launcher.env import gather_env
-from crew.launcher.hostfile import Host, is_number, read_hostfile
-from crew.launcher.plan import NodePlan, Plan, build_plan, is_local_name, select_hosts
-from crew.launcher.protocol import JobSpec, NodeSpec
+from crew.launcher.transport import runners
+from crew.launcher.plan import slurm
+from crew.launcher.plan.env import gather_env
+from crew.launcher.plan.hostfile import Host, is_number, read_hostfile
+from crew.launcher.plan.plan import NodePlan, Plan, build_plan, is_local_name, select_hosts
+from crew.launcher.transport.protocol import JobSpec, NodeSpec
 
 LOCAL_HOST = "localhost"
 NO_SCRIPT = "<script>"  # the program of a job spec built without one (`crew doctor` with no script named)

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from crew.errors import CrewError
-from crew.launcher.protocol import PROGRESS_MARK
-from crew.launcher.ranges import rank_list, spans
+from crew.launcher.transport.protocol import PROGRESS_MARK
+from crew.launcher.console.ranges import rank_list, spans
 
 MERGE_WINDOW_S = 0.5  # how long a rank's line waits for the same line from other ranks
 PROGRESS_INTERVAL_S = 30.0  # not a terminal: at most one progress line per rank and stream this often

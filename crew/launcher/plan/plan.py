@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from crew.errors import PlanError
-from crew.launcher.hostfile import Host, is_number
+from crew.launcher.plan.hostfile import Host, is_number
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 

@@ -1,4 +1,4 @@
-"""`python -m crew.launcher.agent`: one per node per job, started by `crew run` through a runner.
+"""`python -m crew.launcher.node.agent`: one per node per job, started by `crew run` through a runner.
 
 It starts the node's ranks, streams their output as whole lines prefixed `[host:rank] ` (progress-bar
 updates marked as such: `streams`), writes one log file per rank when asked (every byte as the rank
@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import BinaryIO
 
 import crew
-from crew.launcher import stacks
-from crew.launcher.joinwatch import JoinWatch
-from crew.launcher.proc import die_with_parent, seconds_since_exec, signal_group
-from crew.launcher.protocol import (GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, JobSpec, NodeSpec, node_arguments,
-                                    read_job)
-from crew.launcher.ranks import Output, Rank
-from crew.launcher.streams import IDLE_FLUSH_S, PROGRESS, Item, StreamSplitter
+from crew.launcher.node import stacks
+from crew.launcher.node.joinwatch import JoinWatch
+from crew.launcher.transport.proc import die_with_parent, seconds_since_exec, signal_group
+from crew.launcher.transport.protocol import (GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, JobSpec, NodeSpec,
+                                              node_arguments, read_job)
+from crew.launcher.node.ranks import Output, Rank
+from crew.launcher.node.streams import IDLE_FLUSH_S, PROGRESS, Item, StreamSplitter
 
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel before giving up on a rank
 HEARTBEAT_S = 2.0
@@ -341,7 +341,7 @@ def await_go(job: JobSpec, node_rank: int, output: Output) -> float | None:
     """The merged preflight (`crew run` over ssh): send this node's quick facts (`probe`), then wait for
     the launcher's verdict on every node's. The seconds waited on "go"; None when the launcher said
     no (stdin closed): then nothing starts here."""
-    from crew.launcher.probe import probe
+    from crew.launcher.preflight.probe import probe
 
     output.event("probe", **probe(job, node_rank, full=False, save_dir=None, others_done=threading.Event()),
                  boot_s=round(seconds_since_exec(), 3))
@@ -413,7 +413,7 @@ def _start_threads(ranks: list[Rank], node: NodeSpec, output: Output, events: qu
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = node_arguments("python -m crew.launcher.agent", "crew's per-node agent (started by `crew run`).")
+    parser = node_arguments("python -m crew.launcher.node.agent", "crew's per-node agent (started by `crew run`).")
     parser.add_argument("--preflight", action="store_true",
                         help="send the quick checks' facts first, and start the ranks only on 'go' (stdin)")
     args = parser.parse_args(argv)

@@ -24,8 +24,8 @@ from pathlib import Path
 import yaml
 
 from crew.errors import CrewError
-from crew.launcher.hostfile import Host
-from crew.launcher.launch import LOCAL_HOST
+from crew.launcher.plan.hostfile import Host
+from crew.launcher.plan.launch import LOCAL_HOST
 
 ACCELERATE_PORT = 29500  # accelerate launch's main_process_port when none is given
 PRECISIONS = ("no", "fp16", "bf16", "fp8")

@@ -1,6 +1,6 @@
 """`crew doctor` and `crew run`'s preflight: probe every node, compare, and say what to fix.
 
-The probe (crew.launcher.probe) runs on each node over the runner `crew run` would use. Versions are
+The probe (crew.launcher.preflight.probe) runs on each node over the runner `crew run` would use. Versions are
 compared across the nodes (a node that differs from the most common value fails); code is compared
 with the launching machine's copy, which is the one the user edits. The preflight runs the quick
 checks only (ssh, versions without importing torch, the script's hash): a second or two.
@@ -22,16 +22,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from crew.errors import CrewError
-from crew.launcher import probe, runners
-from crew.launcher.gate import Judge
-from crew.launcher.job import FANOUT, LINE_MAX, STOP_WAIT_S, fit_list
-from crew.launcher.launch import NO_SCRIPT, Launch, agent_launches, job_spec
-from crew.launcher.proc import signal_tree
-from crew.launcher.protocol import JobSpec, decode_event, whole_lines
-from crew.launcher.ranges import spans
+from crew.launcher.preflight import probe
+from crew.launcher.transport import runners
+from crew.launcher.preflight.gate import Judge
+from crew.launcher.job.run import FANOUT, LINE_MAX, STOP_WAIT_S, fit_list
+from crew.launcher.plan.launch import NO_SCRIPT, Launch, agent_launches, job_spec
+from crew.launcher.transport.proc import signal_tree
+from crew.launcher.transport.protocol import JobSpec, decode_event, whole_lines
+from crew.launcher.console.ranges import spans
 from crew.units import parse_bytes
 
-PROBE_MODULE = "crew.launcher.probe"
+PROBE_MODULE = "crew.launcher.preflight.probe"
 QUICK_TIMEOUT_S = 60.0  # as the ssh preflight's (gate.TIMEOUT_S); pdsh's one launch covers every node
 FULL_TIMEOUT_S = 90.0
 VERSIONS = ("python", "torch", "crew", "cuda")
@@ -386,7 +387,7 @@ def preflight(launch: Launch, args: argparse.Namespace, say, verbose: bool = Fal
 
 
 def preflight_judge(launch: Launch, job: JobSpec, verbose: bool = False) -> Judge:
-    """How `crew run` over ssh judges the facts its agents sent (crew.launcher.gate)."""
+    """How `crew run` over ssh judges the facts its agents sent (crew.launcher.preflight.gate)."""
     reference = reference_facts(job, full=False)
 
     def judge(facts: dict, errors: dict, seconds: float) -> tuple[bool, str]:

@@ -27,8 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from crew.launcher.protocol import JobSpec
-from crew.launcher.ranks import Output, Rank
+from crew.launcher.transport.protocol import JobSpec
+from crew.launcher.node.ranks import Output, Rank
 
 JOINED, CONNECTING, LISTENING, NOT_CONNECTED = "joined", "connecting", "listening", "not connected"
 EXITED = "exited"  # reported by the agent when a rank ends before it was seen joined

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crew.errors import LaunchError
-from crew.launcher import runners
-from crew.launcher.ignore import SYNC_MARKER_PREFIX, list_files
+from crew.launcher.transport import runners
+from crew.launcher.transport.ignore import SYNC_MARKER_PREFIX, list_files
 
 STDERR_LINES = 6  # the last lines of a failing command's stderr that the error quotes
 _NOT_SSH = re.compile("No such file or directory|No module named")

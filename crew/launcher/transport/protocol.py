@@ -37,7 +37,7 @@ PROGRESS_MARK = b"\x1ecrew-progress "
 STACKS_COMMAND = b"stacks"
 GO_COMMAND = b"go"  # after the merged preflight: every node passed, start the ranks
 PIECE_MARK = b"\x1ecrew-piece "  # PIECE_MARK NODE +|. TEXT: part of a long line; "." ends it
-AGENT_MODULE = "crew.launcher.agent"
+AGENT_MODULE = "crew.launcher.node.agent"
 SLURM_NODE_RANK = "slurm"  # --node_rank under srun: the agent finds its node by SLURMD_NODENAME
 
 

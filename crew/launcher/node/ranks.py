@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from crew.launcher.protocol import encode_event, split_long_lines
+from crew.launcher.transport.protocol import encode_event, split_long_lines
 
 STDERR_TAIL_LINES = 20
 

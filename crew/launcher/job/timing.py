@@ -13,7 +13,7 @@ import os
 import time
 
 from crew.errors import CrewError
-from crew.launcher.proc import seconds_since_exec
+from crew.launcher.transport.proc import seconds_since_exec
 
 TIMING_ENV = "CREW_TIMING"
 PHASES = ("preflight", "agents up", "ranks done", "exit")

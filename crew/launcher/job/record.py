@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from crew.launcher.protocol import JobSpec
+from crew.launcher.transport.protocol import JobSpec
 
 RECORD_FILE = "crew_job.json"
 

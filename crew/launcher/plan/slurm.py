@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 
 from crew.errors import LaunchError, PlanError
-from crew.launcher.hostfile import Host, is_number
+from crew.launcher.plan.hostfile import Host, is_number
 
 MAX_RANGE = 64 * 1024  # Slurm's own limit on one range ("Too many hosts in range")
 _RANGE = re.compile(r"(\d+)(?:-(\d*))?")

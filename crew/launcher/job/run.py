@@ -25,14 +25,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from crew.launcher import runners
-from crew.launcher.console import Console
-from crew.launcher.gate import PreflightGate
-from crew.launcher.hangs import HANG_EXIT_CODE, HangWatch
-from crew.launcher.proc import signal_tree
-from crew.launcher.protocol import GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, JobSpec, decode_event, whole_lines
-from crew.launcher.record import FirstFailure, JobRecord
-from crew.launcher.runners import AgentLaunch, ssh_fix
+from crew.launcher.transport import runners
+from crew.launcher.console.console import Console
+from crew.launcher.preflight.gate import PreflightGate
+from crew.launcher.job.hangs import HANG_EXIT_CODE, HangWatch
+from crew.launcher.transport.proc import signal_tree
+from crew.launcher.transport.protocol import (GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, JobSpec, decode_event,
+                                              whole_lines)
+from crew.launcher.job.record import FirstFailure, JobRecord
+from crew.launcher.transport.runners import AgentLaunch, ssh_fix
 
 STOP_WAIT_S = 15.0  # after asking agents to stop: their grace period plus this, then SIGKILL
 AGENT_TAIL_LINES = 20

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from crew.errors import LaunchError
-from crew.launcher.proc import die_with_parent
-from crew.launcher.protocol import AGENT_MODULE, SLURM_NODE_RANK, JobSpec
+from crew.launcher.transport.proc import die_with_parent
+from crew.launcher.transport.protocol import AGENT_MODULE, SLURM_NODE_RANK, JobSpec
 
 RUNNERS = ("local", "ssh", "pdsh", "standalone", "slurm")
 # BatchMode: a missing key fails at once instead of prompting on a terminal nobody watches.

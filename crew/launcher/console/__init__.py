@@ -1,0 +1,1 @@
+"""What crew prints: ranks' lines merged, progress bars drawn or thinned, rank ranges said briefly."""

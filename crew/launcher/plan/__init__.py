@@ -1,0 +1,1 @@
+"""Before anything starts: hostfile, Slurm allocation or Accelerate config -> hosts -> Plan -> job spec."""

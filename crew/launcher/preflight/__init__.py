@@ -1,0 +1,1 @@
+"""Checks before a job: crew doctor, its node-side probe, and the merged preflight gate of crew run."""
