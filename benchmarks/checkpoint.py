@@ -8,11 +8,12 @@ each rank builds it, then each repetition times these cases, rotating their orde
 repetition to the next so that machine drift hits all of them alike:
 
 * crew: `engine.save_checkpoint(dir, tag)` on every rank, timed on rank 0 from a barrier before
-  the call to its return: state dicts, torch.save under temporary names, fsync of every file, a
-  barrier, the rename of the staging folder into place and `latest` (atomic and durable). Then
-  `engine.load_checkpoint(dir)`, also on every rank, timed on rank 0: every rank
-  torch.load(weights_only=True)s model_states.pt and its rank file and loads them into module,
-  optimizer and counters.
+  the call to its return: state dicts, torch.save under temporary names (each file's crc32 computed
+  from the bytes as they are written), fsync of every file, a barrier, the rename of the staging
+  folder into place and `latest` (atomic and durable). Then `engine.load_checkpoint(dir)`, also on
+  every rank, timed on rank 0: every rank checks the size and crc32 of the files it reads against
+  the manifest (a read of each file), torch.load(weights_only=True)s the model_states parts and its
+  rank file and loads them into module, optimizer and counters.
 * plain torch.save: rank 0 alone does `torch.save({"module": module.state_dict(), "optimizer":
   optimizer.state_dict()}, path)` (no fsync: the data may still be in the page cache when it
   returns, and a crash mid-write leaves a truncated file under the final name). Load: rank 0 does
@@ -89,17 +90,20 @@ def folder_bytes(folder: Path) -> int:
 # phases of crew's save and load: exclusive time per wrapped function (rank 0)
 
 # label: the wrapped functions as "module.name", in the module that looks the name up when crew calls
-# it; module: save, load or layout of crew.runtime.checkpoint, or torch, os, comm
+# it; module: saving, loading, layout or integrity of crew.runtime.checkpoint, or torch, os, comm. The
+# The crc32 of a save is computed inside the writes (in "torch.save (serialise + write)"); that of a load
+# is its own phase
 SAVE_PHASES = {
     "state dicts": ["saving._engine_state", "saving._rank_state", "saving._client_state_bytes"],
     "torch.save (serialise + write)": ["torch.save"],
     "os.fsync (files + folders)": ["os.fsync"],
     "barrier (wait for all ranks)": ["comm.barrier"],
     "other collectives": ["saving.agree", "saving._broadcast_token", "saving._detect_shared", "saving._placement",
-                          "saving.same_everywhere"],
+                          "saving.same_everywhere", "saving.all_gather"],
     "commit (manifest, rename, latest)": ["saving._commit", "saving._remove_stale"],
 }
 LOAD_PHASES = {
+    "verify crc32 (read + checksum)": ["integrity.file_digest"],
     "torch.load (weights_only)": ["loading.read", "layout.read"],  # layout.read_model_states reads the parts
     "check shapes": ["loading._check_fits"],
     "load into module + optimizer": ["loading._load_weights", "loading._load_the_rest"],
@@ -138,7 +142,7 @@ class Phases:
         from crew.runtime import comm
 
         owners = {name: importlib.import_module(f"crew.runtime.checkpoint.{name}")
-                  for name in ("saving", "loading", "layout")}
+                  for name in ("saving", "loading", "layout", "integrity")}
         owners.update(torch=torch, os=os, comm=comm)
         patched = []
         for label, names in self.phases.items():

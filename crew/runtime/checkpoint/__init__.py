@@ -15,7 +15,8 @@ calls), written so that no crash can destroy the last good one.
         engine_state.pt       stages 2-3: all the rest (optimizer param groups, scheduler, ...)
         client_state.pt       the user's client_state
         rank<R>.pt            rank R's RNG states and data loader position
-        crew_checkpoint.json  manifest: world size, placement, ZeRO stage, format, version (its
+        crew_checkpoint.json  manifest: world size, placement, ZeRO stage, format, version, and
+                              "files": the size and crc32 of every other file of the tag (its
                               presence = complete)
 
 A tag is built in `.<tag>.partial-<token>` and renamed into place only when every rank has written
@@ -24,9 +25,14 @@ Without a shared filesystem each node's ranks write the node's own copy of the s
 (stages 0-1; a sharded checkpoint needs a filesystem every node shares). Both formats load on any
 world size and at any stage: stage 0-1 engines read a sharded checkpoint whole, stage 2-3 engines
 place a whole one into their shards; the optimizer state moves between them by parameter name.
-Loading uses torch.load(weights_only=True).
+Loading checks each file it reads against the manifest's size and crc32 (hashed at save from the
+bytes as they were written; a checkpoint without "files", from an earlier crew, loads unchecked),
+then uses torch.load(weights_only=True). A damaged `latest` or manifest is an error naming it; only a
+missing `latest` means "nothing to load", as in DeepSpeed. A save that fails removes its staging
+folder on every rank.
 
-    layout.py      the file names, CheckpointError, atomic writes, reading a tag's files
+    layout.py      the file names, CheckpointError, atomic hashed writes, reading a tag's files
+    integrity.py   checking a tag's files against the sizes and checksums in its manifest
     collective.py  a problem on any rank raises the same CheckpointError on every rank
     state.py       the state dicts: fp32 module, parameter names, parts split and merged
     saving.py      save: staging folder, every rank's files, commit, `latest`, keep_last

@@ -10,11 +10,13 @@ import torch
 
 from crew.runtime import comm
 from crew.runtime.checkpoint.collective import agree, attempt
+from crew.runtime.checkpoint.integrity import Verifier
 from crew.runtime.checkpoint.layout import (
     MANIFEST,
     SHARDED,
     SHARDED_DIR,
     CheckpointError,
+    model_state_files,
     read_latest,
     read_manifest,
     read_model_states,
@@ -76,8 +78,11 @@ def read_fp32_module(folder: Path) -> dict[str, torch.Tensor]:
     """A tag folder's whole module state, floating-point tensors in fp32, whatever its ZeRO stage."""
     from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
     manifest = read_manifest(folder)
+    verifier = Verifier(folder, manifest)
     if manifest["format"] == SHARDED:
-        module, _ = checkpoint_sharded.read_full(folder / SHARDED_DIR)
+        module, _ = checkpoint_sharded.read_full(folder / SHARDED_DIR, verifier)
     else:
+        for name in model_state_files(manifest):
+            verifier.check(folder / name)
         module = read_model_states(folder, manifest)["module"]
     return {name: value.float() if value.is_floating_point() else value for name, value in module.items()}

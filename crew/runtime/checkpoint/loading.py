@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy
 import torch
 
-from crew.log import log_rank0
+from crew.log import log_rank0, logger
 from crew.runtime import comm
 from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere, where
+from crew.runtime.checkpoint.integrity import Verifier, identity, share_out
 from crew.runtime.checkpoint.layout import (
     CLIENT_STATE,
     ENGINE_STATE,
@@ -20,6 +21,7 @@ from crew.runtime.checkpoint.layout import (
     SHARDED_DIR,
     CheckpointError,
     model_state_files,
+    other_tags,
     read,
     read_latest,
     read_manifest,
@@ -31,15 +33,20 @@ from crew.runtime.checkpoint.state import groups_by_name, merge_by_name
 def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
          load_lr_scheduler_states=True, load_module_only=False):
     load_dir = Path(load_dir).absolute()
+    from_latest = tag is None
     tag = str(tag) if tag is not None else _agreed_latest(load_dir)
-    if tag is None:
-        log_rank0("no checkpoint to load: %s has no 'latest' file (pass tag= to choose one)", load_dir)
+    if tag is None:  # as DeepSpeed: a warning, nothing loaded
+        if comm.get_rank() == 0:
+            logger.warning("no checkpoint to load: %s has no 'latest' file (pass tag= to choose one)",
+                           load_dir)
         return None, None
     agree(same_everywhere(tag, "tag"), f"load_checkpoint({load_dir})")
     folder = load_dir / str(tag)
     what = f"load_checkpoint({load_dir}, tag={tag})"
     optimizer = load_optimizer_states and not load_module_only
     states: dict = {}
+    agree(attempt(_locate, engine, folder, states, from_latest), what)
+    agree(attempt(_verify, states, share_out(states.get("identities", []))), what)
     agree(attempt(_read_all, engine, folder, states, optimizer), what)
     agree(attempt(_check_fits, engine, states, folder, load_module_strict), what)
     if optimizer:
@@ -64,8 +71,11 @@ def _data_position_line(resume: bool) -> str:
 
 
 def _agreed_latest(load_dir: Path) -> str | None:
-    """The tag `latest` names, the same on every rank; nodes that disagree fail every rank."""
-    seen = all_gather((read_latest(load_dir), where()))
+    """The tag `latest` names, the same on every rank; a damaged `latest`, or nodes that disagree,
+    fail every rank."""
+    found: list = []
+    agree(attempt(lambda: found.append(read_latest(load_dir))), f"load_checkpoint({load_dir})")
+    seen = all_gather((found[0], where()))
     tags = {tag for tag, _ in seen}
     if len(tags) > 1:
         listed = "; ".join(f"{where}: {tag or 'no latest file'}" for tag, where in seen)
@@ -76,25 +86,20 @@ def _agreed_latest(load_dir: Path) -> str | None:
     return tags.pop()
 
 
-def _read_all(engine, folder: Path, states: dict, optimizer: bool) -> None:
-    if not folder.is_dir():
-        raise CheckpointError(_missing_tag_message(folder))
+def _locate(engine, folder: Path, states: dict, from_latest: bool) -> None:
+    """The manifest, and the files this rank reads, each there (states["reads"])."""
+    _check_complete(folder, from_latest)
     manifest = read_manifest(folder)
     sharded = manifest["format"] == SHARDED
-    names = [MANIFEST, CLIENT_STATE]
+    names = [CLIENT_STATE]
     names += [ENGINE_STATE, f"{SHARDED_DIR}/.metadata"] if sharded else model_state_files(manifest)
+    if sharded and not engine.zero.shards_params:  # reads them all; a sharded engine: as DCP reads them
+        names += [name for name in manifest.get("files") or {} if name.startswith(f"{SHARDED_DIR}/__")]
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:
         raise CheckpointError(
             f"{folder} lacks {', '.join(missing)}: on a node without a shared filesystem, the save "
             "dir holds only what that node's ranks wrote; load on the same placement, or share it")
-    states["manifest"] = manifest
-    states["model"] = read(folder / ENGINE_STATE) if sharded else read_model_states(folder, manifest)
-    if sharded:
-        _read_shards(engine, folder / SHARDED_DIR, states, optimizer)
-    else:
-        states["shapes"] = {name: tuple(value.shape) for name, value in states["model"]["module"].items()}
-    states["client"] = read(folder / CLIENT_STATE)
     rank_file = folder / f"rank{comm.get_rank()}.pt"
     same_world = manifest.get("world_size") == comm.get_world_size()
     if same_world and not rank_file.is_file():
@@ -102,7 +107,47 @@ def _read_all(engine, folder: Path, states: dict, optimizer: bool) -> None:
         raise CheckpointError(
             f"{rank_file} is missing (rank {comm.get_rank()} was saved on {saved_on}): the save dir "
             "is not shared between nodes; load with the same ranks on the same hosts, or copy it")
-    states["rank"] = read(rank_file) if same_world else None
+    reads = [folder / name for name in names] + ([rank_file] if same_world else [])
+    states.update(manifest=manifest, verifier=Verifier(folder, manifest), reads=reads,
+                  identities=[identity(path) for path in reads], rank_file=rank_file if same_world else None)
+
+
+def _verify(states: dict, mine: list[bool]) -> None:
+    """This rank's share of the files the ranks read; the agree that follows covers the rest."""
+    for path, checks in zip(states["reads"], mine, strict=True):
+        if checks:
+            states["verifier"].check(path)
+        else:
+            states["verifier"].checked_elsewhere(path)
+
+
+def _read_all(engine, folder: Path, states: dict, optimizer: bool) -> None:
+    manifest = states["manifest"]
+    sharded = manifest["format"] == SHARDED
+    states["model"] = read(folder / ENGINE_STATE) if sharded else read_model_states(folder, manifest)
+    if sharded:
+        _read_shards(engine, folder / SHARDED_DIR, states, optimizer)
+    else:
+        states["shapes"] = {name: tuple(value.shape) for name, value in states["model"]["module"].items()}
+    states["client"] = read(folder / CLIENT_STATE)
+    states["rank"] = read(states["rank_file"]) if states["rank_file"] is not None else None
+
+
+def _check_complete(folder: Path, from_latest: bool) -> None:
+    """The tag folder exists and its save finished (the manifest is written last)."""
+    tag = (f"{folder.parent / 'latest'} names checkpoint tag '{folder.name}', which" if from_latest
+           else f"checkpoint tag '{folder.name}'")
+    fix = ("write a complete tag into it, or pass tag= to load_checkpoint" if from_latest
+           else "pass a complete tag")
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"{tag} is not in {folder.parent} ({other_tags(folder.parent)}): {fix}. If other ranks "
+            "found it, the save dir is not shared between nodes.")
+    if not (folder / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{tag} is incomplete: {folder} has no {MANIFEST}, which a save writes last (a save that did "
+            f"not finish, or a folder crew did not write) ({other_tags(folder.parent, but=folder.name)}): "
+            f"{fix}.")
 
 
 def _read_shards(engine, folder: Path, states: dict, optimizer: bool) -> None:
@@ -110,19 +155,12 @@ def _read_shards(engine, folder: Path, states: dict, optimizer: bool) -> None:
     later), everything, whole, for an engine at stage 0-1."""
     from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
     if engine.zero.shards_params:
-        states["shapes"] = checkpoint_sharded.saved_module_shapes(folder)
+        states["shapes"] = checkpoint_sharded.saved_module_shapes(folder, states["verifier"])
         return
-    module, optimizer_tensors = checkpoint_sharded.read_full(folder, with_optimizer=optimizer)
+    module, optimizer_tensors = checkpoint_sharded.read_full(folder, states["verifier"], with_optimizer=optimizer)
     states["model"]["module"] = module
     states["model"]["optimizer"]["state_tensors"] = optimizer_tensors
     states["shapes"] = {name: tuple(value.shape) for name, value in module.items()}
-
-
-def _missing_tag_message(folder: Path) -> str:
-    available = sorted(p.name for p in folder.parent.glob("*") if (p / MANIFEST).is_file())
-    listed = ", ".join(available) if available else "none"
-    return (f"checkpoint tag '{folder.name}' not found in {folder.parent} (complete tags there: "
-            f"{listed}); if other ranks found it, the save dir is not shared between nodes")
 
 
 def _check_fits(engine, states: dict, folder: Path, strict: bool) -> None:
@@ -210,7 +248,7 @@ def _load_weights(engine, states: dict, folder: Path, strict: bool, optimizer: b
     if engine.zero.shards_params:
         if states["manifest"]["format"] == SHARDED:
             checkpoint_sharded.load(engine.module, engine.optimizer, folder / SHARDED_DIR, strict,
-                                    optimizer_state)
+                                    optimizer_state, states["verifier"])
         else:
             checkpoint_sharded.load_full(engine.module, engine.optimizer, saved["module"],
                                          optimizer_state, strict)

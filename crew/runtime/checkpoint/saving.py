@@ -7,7 +7,6 @@ import io
 import json
 import os
 import random
-import re
 import secrets
 import shutil
 import socket
@@ -28,6 +27,7 @@ from crew.runtime.checkpoint.layout import (
     REPLICATED,
     SHARDED,
     SHARDED_DIR,
+    TAG,
     CheckpointError,
     fsync_dir,
     read_latest,
@@ -35,8 +35,6 @@ from crew.runtime.checkpoint.layout import (
     write_atomic,
 )
 from crew.runtime.checkpoint.state import fp32_module_state, groups_by_name, optimizer_param_names, split_state
-
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 
 
 def default_tag(engine) -> str:
@@ -55,6 +53,20 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
     agree(same_everywhere(tag, "tag"), "save_checkpoint")
     token = _broadcast_token()
     staging = save_dir / f".{tag}.partial-{token}"
+    try:
+        _save_staged(engine, save_dir, staging, token, tag, client_state, save_latest)
+    except BaseException:
+        # every rank gets here on a failed save (one error on every rank): each removes its view of
+        # the staging folder, so that a full disk is not left fuller; the previous tag and `latest`
+        # were not touched
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log_rank0("saved checkpoint %s", save_dir / tag)
+    return True
+
+
+def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
+                 client_state: dict | None, save_latest: bool) -> None:
     shared = _detect_shared(save_dir, staging, token)
     what = f"save_checkpoint({save_dir}, tag={tag})"
     sharded = engine.zero.shards_params
@@ -66,23 +78,23 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
             "only its own files there). Point save_dir at a shared filesystem (NFS, Lustre, ...).")
     part, parts = _my_part(shared, split=engine.zero.stage == 0)
     optimizer_state = None if sharded else _whole_optimizer_state(engine, writer=part is not None)
-    agree(attempt(_write_files, engine, staging, client_state or {}, part, parts, optimizer_state),
-          what)
+    written: dict[str, dict] = {}  # path in the tag -> size and checksum, of this rank's files
+    agree(attempt(_write_files, engine, staging, client_state or {}, part, parts, optimizer_state,
+                  written), what)
     if sharded:
-        agree(attempt(_write_shards, engine, staging), what)
-    hosts = _placement()  # a collective: every rank, before only the writers go on
+        agree(attempt(_write_shards, engine, staging, written), what)
+    hosts = _placement()  # collectives: every rank, before only the writers go on
+    every_rank_wrote = all_gather(written)
     comm.barrier()  # every rank's files are on disk before any tag appears
     problem = None
     if part == 0:  # the rank that wrote the shared files commits
         problem = attempt(_commit, engine, staging, save_dir, tag, save_latest, hosts,
-                          None if sharded else parts)
+                          None if sharded else parts, _files_here(staging, every_rank_wrote))
     agree(problem, what)
-    log_rank0("saved checkpoint %s", save_dir / tag)
-    return True
 
 
 def _tag_problem(tag: str) -> str | None:
-    if _TAG.fullmatch(tag):
+    if TAG.fullmatch(tag):
         return None
     return (f"tag '{tag}' is not a valid folder name: use letters, digits and '_.+=-', not starting "
             "with '.' or '-' (the default is global_step<N>)")
@@ -139,20 +151,24 @@ def _whole_optimizer_state(engine, writer: bool) -> dict | None:
 
 
 def _write_files(engine, staging: Path, client_state: dict, part: int | None, parts: int,
-                 optimizer_state: dict | None) -> None:
+                 optimizer_state: dict | None, written: dict) -> None:
     """client_state, this rank's part of the replicated state (stages 0-1), its rank file."""
     if part == 0:
-        write_atomic(staging / CLIENT_STATE, data=_client_state_bytes(client_state))
+        written[CLIENT_STATE] = write_atomic(staging / CLIENT_STATE, data=_client_state_bytes(client_state))
     if part is not None and not engine.zero.shards_params:
         shard = split_state(_engine_state(engine, optimizer_state), parts)[part]
-        write_atomic(staging / MODEL_STATES.format(part=part, parts=parts), obj=shard)
-    write_atomic(staging / f"rank{comm.get_rank()}.pt", obj=_rank_state(engine))
+        name = MODEL_STATES.format(part=part, parts=parts)
+        written[name] = write_atomic(staging / name, obj=shard)
+    name = f"rank{comm.get_rank()}.pt"
+    written[name] = write_atomic(staging / name, obj=_rank_state(engine))
 
 
-def _write_shards(engine, staging: Path) -> None:
+def _write_shards(engine, staging: Path, written: dict) -> None:
     """Stages 2-3: every rank its shards (a collective), then rank 0 the replicated rest."""
     from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
-    optimizer_other = checkpoint_sharded.save(engine.module, engine.optimizer, staging / SHARDED_DIR)
+    shards: dict[str, dict] = {}
+    optimizer_other = checkpoint_sharded.save(engine.module, engine.optimizer, staging / SHARDED_DIR, shards)
+    written.update({f"{SHARDED_DIR}/{name}": entry for name, entry in shards.items()})
     if comm.get_rank() == 0:
         groups = groups_by_name(engine)
         if groups is None:
@@ -160,7 +176,7 @@ def _write_shards(engine, staging: Path) -> None:
                                   "ZeRO stage 2/3 checkpoint stores optimizer state by parameter name")
         rest = _common_state(engine)
         rest["optimizer"] = {"param_groups": groups, "state_other": optimizer_other}
-        write_atomic(staging / ENGINE_STATE, obj=rest)
+        written[ENGINE_STATE] = write_atomic(staging / ENGINE_STATE, obj=rest)
 
 
 def _client_state_bytes(client_state: dict) -> bytes:
@@ -215,14 +231,26 @@ def _rank_state(engine) -> dict:
     }
 
 
+def _files_here(staging: Path, every_rank_wrote: list[dict]) -> dict:
+    """The manifest's "files": what the ranks that share this staging folder wrote (their rank
+    file is here; without a shared filesystem, this node's ranks), and every rank's rank file, so
+    that one copied over from another node checks too."""
+    files = {}
+    for rank, written in enumerate(every_rank_wrote):
+        shares = (staging / f"rank{rank}.pt").is_file()
+        files.update({name: entry for name, entry in written.items() if shares or name == f"rank{rank}.pt"})
+    return dict(sorted(files.items()))
+
+
 def _commit(engine, staging: Path, save_dir: Path, tag: str, save_latest: bool,
-            hosts: list[str], parts: int | None) -> None:
+            hosts: list[str], parts: int | None, files: dict) -> None:
     """Manifest, rename into place, `latest`, keep_last. `parts`: None for a sharded checkpoint."""
     manifest = {"tag": tag, "world_size": engine.world_size, "global_steps": engine.global_steps,
                 "crew_version": __version__, "hosts": hosts, "zero_stage": engine.zero.stage,
                 "format": SHARDED if parts is None else REPLICATED}
     if parts is not None:
         manifest["model_states_parts"] = parts
+    manifest["files"] = files
     write_atomic(staging / MANIFEST, data=json.dumps(manifest, indent=1).encode())
     for marker in staging.glob(".shared-*"):
         marker.unlink()
@@ -247,7 +275,10 @@ def _remove_stale(save_dir: Path, current: str, keep_last: int | None) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
     if keep_last is None:
         return
-    latest = read_latest(save_dir)
+    try:
+        latest = read_latest(save_dir)
+    except CheckpointError:  # damaged (save_latest=False): it names no tag to spare
+        latest = None
     tags = sorted((p for p in save_dir.iterdir() if (p / MANIFEST).is_file()),
                   key=lambda p: (p / MANIFEST).stat().st_mtime)
     for old in tags[:-keep_last]:

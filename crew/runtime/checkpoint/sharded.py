@@ -9,7 +9,8 @@ Keys are "model.<parameter or buffer name>" and "optim.<parameter name>.<state k
 go in (DCP loads them with weights_only=True); the optimizer's param groups and any non-tensor state
 travel in the tag's replicated file. DCP reads `.metadata` with a plain pickle.load, which would let
 a crafted checkpoint run code: crew reads it with an unpickler that accepts only DCP's metadata
-classes.
+classes. Every file is hashed as DCP writes it (its stream goes through layout.HashingWriter) and
+checked, when the tag's manifest lists it, before DCP reads it (integrity.Verifier).
 Shapes are global, so the folder loads on any world size and at stage 2 or 3 alike (both are
 FSDP2): each rank reads only the pieces its own shards need. `read_full` loads whole tensors with
 no process group, for `crew export` and for engines at stages 0-1.
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -35,7 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from crew.runtime.checkpoint.layout import CheckpointError
+from crew.runtime.checkpoint.integrity import Verifier
+from crew.runtime.checkpoint.layout import CheckpointError, HashingWriter
 from crew.runtime.checkpoint.state import merge_by_name
 
 _METADATA_GLOBALS = {
@@ -57,23 +60,61 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _Reader(FileSystemReader):
-    """DCP's file reader, reading `.metadata` with the restricted unpickler."""
+    """DCP's file reader: each file checked against the manifest before it is read, `.metadata`
+    read with the restricted unpickler."""
+
+    def __init__(self, folder: Path, verifier: Verifier):
+        super().__init__(folder)
+        self.verifier = verifier
 
     def read_metadata(self, *args, **kwargs):
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        self.verifier.check(Path(path))
+        with self.fs.create_stream(path, "rb") as stream:
             metadata = _MetadataUnpickler(stream).load()
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan, planner):
+        for item in plan.items:  # the files this rank reads pieces of; each is checked whole, once
+            self.verifier.check(Path(self.path) / self.storage_data[item.storage_index].relative_path)
+        return super().read_data(plan, planner)
 
-def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict:
-    """Write this rank's shards (a collective); returns the optimizer's non-tensor state by name."""
+
+class _HashingFileSystem(FileSystem):
+    """DCP's file system, recording the size and checksum of each file written: {name: entry}."""
+
+    def __init__(self, written: dict):
+        super().__init__()
+        self.written = written
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            writer = HashingWriter(stream)
+            yield writer
+        # DCP writes `.metadata` as `.metadata.tmp`, then renames it
+        self.written[Path(path).name.removesuffix(".tmp")] = writer.entry()
+
+
+class _Writer(FileSystemWriter):
+    def __init__(self, folder: Path, written: dict):
+        super().__init__(folder)
+        self.fs = _HashingFileSystem(written)
+
+
+def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, written: dict) -> dict:
+    """Write this rank's shards (a collective), their sizes and checksums into `written` by file
+    name; returns the optimizer's non-tensor state by name."""
     tensors, other = _split(_optimizer_state(module, optimizer))
     with _dcp_errors(folder):
         dcp.save({"model": get_model_state_dict(module), "optim": tensors},
-                 storage_writer=FileSystemWriter(folder))
+                 storage_writer=_Writer(folder, written))
     return other
 
 
@@ -90,6 +131,8 @@ def _dcp_errors(folder: Path) -> Iterator[None]:
 
 def _described(failure) -> str:
     error = failure[0] if isinstance(failure, tuple) else failure
+    if isinstance(error, CheckpointError):  # crew's own: whole, it says what to do
+        return str(error)
     return f"{type(error).__name__}: {str(error)[:300]}"
 
 
@@ -110,26 +153,28 @@ def _split(state: dict) -> tuple[dict, dict]:
     return tensors, {name: entry for name, entry in other.items() if entry}
 
 
-def saved_entries(folder: Path) -> dict:
+def saved_entries(folder: Path, verifier: Verifier) -> dict:
     """{flat key: its metadata} of the tensors in a sharded folder (reads only .metadata)."""
     try:
-        return _Reader(folder).read_metadata().state_dict_metadata
+        return _Reader(folder, verifier).read_metadata().state_dict_metadata
+    except CheckpointError:
+        raise
     except Exception as exc:  # a truncated or foreign file fails in many ways inside the unpickler
         raise CheckpointError(f"{folder / '.metadata'} cannot be read ({type(exc).__name__}: "
                               f"{str(exc)[:200]}); it is truncated, corrupted or not a crew "
                               "checkpoint") from None
 
 
-def saved_module_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    return {key[len("model."):]: tuple(meta.size) for key, meta in saved_entries(folder).items()
+def saved_module_shapes(folder: Path, verifier: Verifier) -> dict[str, tuple[int, ...]]:
+    return {key[len("model."):]: tuple(meta.size) for key, meta in saved_entries(folder, verifier).items()
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
 
 def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, strict: bool,
-         optimizer_rest: dict | None) -> None:
+         optimizer_rest: dict | None, verifier: Verifier) -> None:
     """Load the shards this rank's parameters (and, given `optimizer_rest`, its optimizer state)
     need, whatever world size and stage 2/3 wrote them. A collective."""
-    entries = saved_entries(folder)
+    entries = saved_entries(folder, verifier)
     model = get_model_state_dict(module)
     if not strict:
         model = {key: value for key, value in model.items() if f"model.{key}" in entries}
@@ -139,7 +184,7 @@ def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
         wanted["optim"], _ = _split(get_optimizer_state_dict(module, optimizer)["state"])
         _check_optimizer_keys(wanted["optim"], entries, folder)
     with _dcp_errors(folder):
-        dcp.load(wanted, storage_reader=_Reader(folder))
+        dcp.load(wanted, storage_reader=_Reader(folder, verifier))
     if optimizer_rest is None:
         set_model_state_dict(module, wanted["model"], options=StateDictOptions(strict=strict))
         return
@@ -177,16 +222,16 @@ def _set_both(module: torch.nn.Module, optimizer: torch.optim.Optimizer, module_
         optimizer.state.clear()       # made up (a step at lr 0), or Adam would count that step
 
 
-def read_full(folder: Path, with_optimizer: bool = False) -> tuple[dict, dict]:
+def read_full(folder: Path, verifier: Verifier, with_optimizer: bool = False) -> tuple[dict, dict]:
     """Whole tensors in one process, no process group: (module state, optimizer state by name)."""
     wanted = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-              for key, meta in saved_entries(folder).items()
+              for key, meta in saved_entries(folder, verifier).items()
               if isinstance(meta, TensorStorageMetadata)
               and (key.startswith("model.") or (with_optimizer and key.startswith("optim.")))}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         with _dcp_errors(folder):
-            dcp.load(wanted, storage_reader=_Reader(folder), no_dist=True)
+            dcp.load(wanted, storage_reader=_Reader(folder, verifier), no_dist=True)
     module, optimizer = {}, {}
     for key, value in wanted.items():
         kind, rest = key.split(".", 1)

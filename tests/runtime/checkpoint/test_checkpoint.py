@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import textwrap
 from pathlib import Path
 
@@ -155,20 +154,9 @@ def test_missing_tag_names_the_tags_there(tmp_path):
     engine, loader = single_engine()
     train(engine, loader, 1)
     engine.save_checkpoint(tmp_path, tag="first")
-    with pytest.raises(Exception, match=r"tag 'nope' not found in .* \(complete tags there: first\)"):
+    with pytest.raises(Exception, match=r"checkpoint tag 'nope' is not in .* \(complete tags in the save dir, "
+                                        r"oldest first: first\): pass a complete tag"):
         engine.load_checkpoint(tmp_path, tag="nope")
-
-
-@pytest.mark.parametrize("damage", ["truncate", "garbage"])
-def test_a_damaged_file_is_named(tmp_path, damage):
-    engine, loader = single_engine()
-    train(engine, loader, 1)
-    engine.save_checkpoint(tmp_path)
-    target = tmp_path / "global_step1" / "model_states.0-of-1.pt"
-    data = target.read_bytes()
-    target.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00garbage" * 100)
-    with pytest.raises(Exception, match=rf"{target} cannot be read .* truncated, corrupted"):
-        engine.load_checkpoint(tmp_path)
 
 
 def test_a_different_model_shape_is_named(tmp_path):
@@ -264,29 +252,7 @@ def test_export_of_a_folder_without_checkpoint_is_a_clear_error(tmp_path):
     assert "neither a checkpoint tag folder" in result.err and "Traceback" not in result.err
 
 
-def test_a_save_that_cannot_complete_raises_on_every_rank(tmp_path):
-    full = tmp_path / "full"
-    full.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)]).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
-        errors = run_ranks(save_expecting_error, 2, str(full))
-    finally:
-        subprocess.run(["umount", str(full)])
-    for message in errors:
-        assert "save_checkpoint" in message and "No space left on device" in message
-    assert not (full / "latest").exists()
-
-
-def save_expecting_error(rank: int, folder: str) -> str:
-    import crew
-
-    engine, _, _, _ = crew.initialize(model=torch.nn.Linear(256, 256), config=ds_config())
-    try:
-        engine.save_checkpoint(folder)
-    except crew.errors.CrewError as exc:
-        return str(exc)
-    raise AssertionError("save_checkpoint did not fail")
+# A save that cannot complete (a real write error on one rank): test_checkpoint_integrity.py
 
 
 # -- SIGKILL at chosen points of a save -----------------------------------------------------------

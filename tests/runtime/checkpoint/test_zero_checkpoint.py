@@ -9,8 +9,10 @@ one and four ranks and for export.
 from __future__ import annotations
 
 import copy
+import zlib
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -115,7 +117,28 @@ def stage_world(rank: int, stage: int, precision: str, folder: str, other_stages
         train(engine, stream, 1)
         engine.save_16bit_model(out, "weights.bin")
         result["bf16_model"] = whole_state(engine)["model"]
+        result["damaged_shard_error"] = load_with_a_damaged_shard(rank, config, Path(folder))
     return result
+
+
+def load_with_a_damaged_shard(rank: int, config: dict, folder: Path) -> str:
+    """Rank 1 flips a byte of its own shard, which only it reads: every rank must raise."""
+    import torch.distributed as dist
+
+    shard = folder / f"global_step{SAVE_AT}" / "sharded" / "__1_0.distcp"
+    original = shard.read_bytes()
+    if rank == 1:
+        shard.write_bytes(original[:100] + bytes([original[100] ^ 0xFF]) + original[101:])
+    dist.barrier()
+    try:
+        build(config)[0].load_checkpoint(folder)
+        error = "loaded"
+    except Exception as exc:
+        error = str(exc)
+    dist.barrier()
+    if rank == 1:
+        shard.write_bytes(original)  # whole again for the tests that load it after this world
+    return error
 
 
 # stage: (its precision, the stages that load its checkpoint in the same world); a precision each
@@ -159,6 +182,24 @@ def test_manifest_names_stage_and_format(worlds):
     assert (manifest["zero_stage"], manifest["format"]) == (3, "sharded")
     assert files == common | {"engine_state.pt", "sharded/.metadata", "sharded/__0_0.distcp",
                               "sharded/__1_0.distcp"}  # each rank wrote its own shards
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_manifest_has_every_files_size_and_crc32_from_every_rank(worlds, stage):
+    folder = worlds[stage][0] / f"global_step{SAVE_AT}"
+    listed = json.loads((folder / "crew_checkpoint.json").read_text())["files"]
+    on_disk = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert set(listed) == set(on_disk) - {"crew_checkpoint.json"}
+    for name, data in on_disk.items():  # hashed as written, by the rank (or DCP) that wrote it
+        if name != "crew_checkpoint.json":
+            assert listed[name] == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+
+
+def test_a_damaged_shard_read_by_one_rank_fails_every_rank(worlds):
+    folder, ranks = worlds[3]
+    shard = folder / f"global_step{SAVE_AT}" / "sharded" / "__1_0.distcp"
+    for result in ranks:
+        assert f"rank 1: {shard} is damaged: its crc32 differs" in result["damaged_shard_error"]
 
 
 def test_fp16_loss_scale_survives_a_stage3_round_trip(worlds):
@@ -261,6 +302,7 @@ def test_a_checkpoint_without_parameter_names_names_both_stages(tmp_path):
     old = torch.load(states, weights_only=True)
     del old["optimizer_param_names"]
     torch.save(old, states)
+    without_checksums(tmp_path / "global_step1")  # as that crew wrote it
     sharded, _ = build(zero_config(3))
     with pytest.raises(Exception, match=r"saved at ZeRO stage 0 and this engine runs stage 3.*"
                                         r"load_optimizer_states=False.*crew export"):
@@ -269,6 +311,12 @@ def test_a_checkpoint_without_parameter_names_names_both_stages(tmp_path):
     assert sharded.global_steps == 1
     assert_same_state({"model": whole_state(sharded)["model"], "optim": {}},
                       {"model": whole_state(engine)["model"], "optim": {}})
+
+
+def without_checksums(tag: Path) -> None:
+    manifest = json.loads((tag / "crew_checkpoint.json").read_text())
+    del manifest["files"]
+    (tag / "crew_checkpoint.json").write_text(json.dumps(manifest))
 
 
 def test_a_sharded_checkpoint_of_another_model_is_named(tmp_path):
@@ -296,6 +344,10 @@ def test_a_crafted_sharded_metadata_cannot_run_code(tmp_path, capsys):
     engine.save_checkpoint(tmp_path)
     metadata = tmp_path / "global_step1" / "sharded" / ".metadata"
     metadata.write_bytes(pickle.dumps(_RunsCode()))
+    manifest = json.loads((tmp_path / "global_step1" / "crew_checkpoint.json").read_text())
+    manifest["files"]["sharded/.metadata"] = {"bytes": metadata.stat().st_size,  # the crafter wrote it too
+                                              "crc32": f"{zlib.crc32(metadata.read_bytes()):08x}"}
+    (tmp_path / "global_step1" / "crew_checkpoint.json").write_text(json.dumps(manifest))
     from crew.runtime.checkpoint import export
 
     with pytest.raises(Exception, match=r"\.metadata cannot be read.*builtins.print has no place"):
@@ -303,6 +355,32 @@ def test_a_crafted_sharded_metadata_cannot_run_code(tmp_path, capsys):
     with pytest.raises(Exception, match=r"\.metadata cannot be read"):
         engine.load_checkpoint(tmp_path)
     assert "ran code" not in capsys.readouterr().out
+
+
+def test_damaged_shards_are_named_by_load_and_export(tmp_path):
+    """Each DCP file is checked before DCP reads it; a sharded engine, a stage 0 engine (which reads
+    the shards whole) and export all name the damaged one."""
+    from crew.runtime.checkpoint import export
+
+    engine, stream = build(zero_config(3))
+    train(engine, stream, 1)
+    engine.save_checkpoint(tmp_path)
+    tag = tmp_path / "global_step1"
+    for name in ("sharded/__0_0.distcp", "sharded/.metadata", "engine_state.pt"):
+        path = tag / name
+        original = path.read_bytes()
+        flipped = bytearray(original)
+        flipped[len(flipped) // 2] ^= 0xFF
+        path.write_bytes(bytes(flipped))
+        damaged = f"{path} is damaged: its crc32 differs from the one its save recorded"
+        for stage in (3, 0):
+            with pytest.raises(Exception, match=re.escape(damaged)):
+                build(zero_config(stage))[0].load_checkpoint(tmp_path)
+        if name != "engine_state.pt":  # export reads only the module's shards
+            with pytest.raises(Exception, match=re.escape(damaged)):
+                export(tmp_path, tmp_path / "model.pt")
+        path.write_bytes(original)
+    build(zero_config(3))[0].load_checkpoint(tmp_path)  # whole again: loads
 
 
 def test_a_checkpoint_from_before_the_first_step_leaves_the_optimizer_empty(tmp_path):
