@@ -15,13 +15,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from crew import __version__, wizard
+from crew import __version__, precheck, wizard
+from crew.cliparser import CrewParser
 from crew.errors import CrewError
 from crew.launcher.transport import runners
 from crew.launcher.plan.hostfile import is_number
 from crew.launcher.console.console import Console
 from crew.launcher.preflight.gate import PreflightGate
 from crew.launcher.job.run import FANOUT, JobRun
+from crew.launcher.plan import dsflags
 from crew.launcher.plan.launch import (Launch, agent_launches, format_layout, job_spec, local_devices, remote_nodes,
                                        resolve)
 from crew.launcher.job.record import JobRecord
@@ -107,9 +109,9 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     _option(group, "--ssh_port", type=_port, help="ssh port for hosts that give none in the hostfile")
     _option(group, "--ssh_args", default="",
             help="extra ssh client arguments, e.g. \"-i ~/.ssh/cluster -F ssh_config\"")
-    _option(group, "--python", default=sys.executable,
-            help="Python on every node that runs crew's agent and the ranks "
-                 "(default: this one, at the same path)")
+    _option(group, "--python",
+            help="Python on every node that runs crew's agent and the ranks (default: this one, at the same "
+                 "path; with --venv_script, the python3 on PATH after sourcing it)")
     _option(group, "--fanout", type=_window, default=FANOUT, metavar="N",
             help=f"at most N nodes connecting at once, like pdsh's -f (default {FANOUT}); the rest start as "
                  "those report their ranks started")
@@ -119,10 +121,43 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     _option(group, "--config_file", metavar="ACCELERATE_CONFIG.yaml",
             help="Accelerate's launch config (as `accelerate launch --config_file`): machines, processes, main "
                  "process, DeepSpeed launcher keys and the ACCELERATE_* variables; options given here win")
+    _add_deepspeed_options(group)
+
+
+def _add_deepspeed_options(group) -> None:
+    """The rest of DeepSpeed 0.19.8's launcher flags, with its meaning (crew/launcher/plan/dsflags.py)."""
+    _option(group, "--bind_cores_to_rank", action="store_true",
+            help="give each rank of a node its own block of cores (cores // ranks; OMP_NUM_THREADS set to it) "
+                 "and, on a NUMA machine, its memory on their node; no numactl needed")
+    _option(group, "--bind_core_list", metavar="1,3-5,7",
+            help="the cores to divide among a node's ranks (default: one per physical core); implies "
+                 "--bind_cores_to_rank")
+    _option(group, "--no_ssh", action="store_true",
+            help="start this node only, as --launcher standalone: run the same command on each node with "
+                 "its --node_rank")
+    _option(group, "--no_ssh_check", action="store_true",
+            help="crew run: skip the preflight (as --skip_preflight), which is where crew checks ssh")
+    _option(group, "--venv_script", metavar="PATH",
+            help="a script sourced on every node before crew's agent starts (ssh, pdsh, slurm), e.g. a "
+                 "venv's bin/activate; not on a local or standalone launch, which use this shell")
+    _option(group, "--launcher_args", default="", metavar="\"ARGS\"",
+            help="arguments for pdsh or srun, one quoted string; with a hostfile and no --launcher they mean "
+                 "pdsh (DeepSpeed's launcher)")
+    _option(group, "--log_level", choices=dsflags.LOG_LEVELS, default="info",
+            help="crew's own lines: warning and above leave out the informational ones (layout, start-up "
+                 "times), keeping warnings, failures and reports; debug is --verbose. Rank output is all kept")
+    _option(group, "-q", "--quiet", action="store_true", help="as --log_level error")
+    _option(group, "--save_pid", action="store_true",
+            help="each node's agent writes its pid to /tmp/<pid of this crew>.deepspeed while it runs and "
+                 "prints 'launcher pid: N'")
+    _option(group, "--autotuning", choices=("tune", "run"),
+            help="refused: DeepSpeed's autotuner is not part of crew; tune with DeepSpeed's launcher, then "
+                 "train with crew on the config it wrote")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     launch = resolve(args)
+    _say_notes(launch, *_stderr_say(args))
     job = job_spec(launch, args)
     launches = agent_launches(launch, job, args)
     command = {n: list(a.argv) for a in launches for n in a.node_ranks}
@@ -145,16 +180,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CrewError("crew run: name the training script, e.g. crew run train.py --deepspeed")
     timing = Timing()
     launch = resolve(args)
-    if launch.launcher in ("local", "standalone") and not (args.module or args.no_python):
-        if not Path(args.script).is_file():
-            raise CrewError(f"crew run: script {args.script} not found (in {os.getcwd()}).")
-    console = Console(sys.stdout.buffer, sys.stderr.buffer)
+    precheck.check_run(args, launch.launcher, launch.plan.world_size)  # before any rank or connection
+    console = Console(sys.stdout.buffer, sys.stderr.buffer, level=args.log_level)
+    _say_notes(launch, console.say, console.info)
     if args.sync:
-        sync_code(launch, args, [], console.say)
-    if not args.skip_preflight and launch.launcher == "pdsh":  # over ssh, the agents do it (gate)
+        sync_code(launch, args, [], console.info)
+    if not (args.skip_preflight or args.no_ssh_check) and launch.launcher == "pdsh":  # over ssh: the agents (gate)
         from crew.launcher.preflight import doctor
 
-        code = doctor.preflight(launch, args, console.say, args.verbose)
+        said: list[str] = []
+        code = doctor.preflight(launch, args, said.append, args.verbose)
+        (console.say if code else console.info)("\n".join(said))
         if code:
             return code
         timing.mark("preflight")
@@ -169,9 +205,9 @@ def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console, ti
     ports = {node.node_rank: node.ssh_port for node in launch.plan.nodes}
     for attempt in range(args.max_restarts + 1):
         job = job_spec(launch, args, restart_count=attempt, console="tty" if console.tty else "plain")
-        console.say(format_layout(launch, job.job_id, args.verbose))
+        console.info(format_layout(launch, job.job_id, args.verbose))
         if job.as_deepspeed:
-            console.say("--as_deepspeed: `import deepspeed` is crew on every rank")
+            console.info("--as_deepspeed: `import deepspeed` is crew on every rank")
         record = JobRecord(job.log_dir, ["crew", *sys.argv[1:]], launch.launcher, console.say,
                            args.node_rank) if job.log_dir else None
         gate = _preflight_gate(launch, job, args) if attempt == 0 else None
@@ -193,11 +229,24 @@ def _preflight_gate(launch: Launch, job, args: argparse.Namespace) -> PreflightG
     """Over ssh and srun (whose stdin reaches every node), the agents run the preflight's quick checks and
     wait for the verdict (one ssh login per node); pdsh gives them no stdin to wait on, so there it runs
     first, on its own (cmd_run)."""
-    if args.skip_preflight or launch.launcher not in ("ssh", "slurm"):
+    if args.skip_preflight or args.no_ssh_check or launch.launcher not in ("ssh", "slurm"):
         return None
     from crew.launcher.preflight import doctor
 
     return PreflightGate(len(job.nodes), doctor.preflight_judge(launch, job, args.verbose))
+
+
+def _say_notes(launch: Launch, say, info) -> None:
+    """What crew says of DeepSpeed's flags (dsflags)."""
+    for level, text in launch.notes:
+        (info if level == "info" else say)(text)
+
+
+def _stderr_say(args: argparse.Namespace):
+    """`crew: ` lines on stderr, without a console: (say, info), info silent above --log_level info."""
+    def say(text: str) -> None:
+        print(f"crew: {text}", file=sys.stderr)
+    return say, say if args.log_level in ("debug", "info") else (lambda text: None)
 
 
 def sync_code(launch: Launch, args: argparse.Namespace, paths: list[str], say) -> None:
@@ -208,7 +257,7 @@ def sync_code(launch: Launch, args: argparse.Namespace, paths: list[str], say) -
 
 def cmd_sync(args: argparse.Namespace) -> int:
     launch = resolve(args)
-    sync_code(launch, args, args.paths, lambda text: print(f"crew: {text}", file=sys.stderr))
+    sync_code(launch, args, args.paths, _stderr_say(args)[1])
     return 0
 
 
@@ -251,7 +300,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="crew", description="Train PyTorch models on many "
+    parser = CrewParser(prog="crew", description="Train PyTorch models on many "
                                      "processes across many machines (DeepSpeed-compatible).")
     parser.add_argument("--version", action="version", version=f"crew {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -262,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="stop the job, with a report and each rank's stack, when not every rank has joined "
                  "the process group this many seconds after the first one reached the master port "
                  "(when none does, crew only warns); 0: no check (default: 600)")
+    _option(run, "--stall_report", type=_seconds, default=90.0, metavar="SECONDS",
+            help="when a rank has waited this long in a torch.distributed operation (or in backward), say "
+                 "where every rank is, without stopping anything; 0: never (default: 90)")
+    _option(run, "--collective_timeout", type=_seconds, default=0.0, metavar="SECONDS",
+            help="end the job, with every rank's stack, once such a wait has lasted this long (default: 0, "
+                 "left to torch's own collective timeout, 30 minutes unless the script sets another)")
     _option(run, "--skip_preflight", action="store_true",
             help="start without the quick check of every node (ssh, versions, script hash)")
     _option(run, "--sync", action="store_true",
@@ -336,6 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "log_level"):  # -q is --log_level error; debug means --verbose
+        args = dsflags.log_level(args)
     if getattr(args, "module", False) and getattr(args, "no_python", False):
         print("crew: error: --module and --no_python cannot be used together.", file=sys.stderr)
         return 2

@@ -60,11 +60,16 @@ def test_a_failing_step_is_reported_by_crew_run(job_dir):
     assert "RuntimeError: failing on purpose at step 3" in run.err
 
 
-def test_a_bad_config_is_one_clear_line_per_rank_not_a_traceback(job_dir):
+def test_a_bad_config_is_one_clear_line_before_the_start_not_a_traceback(job_dir):
     (job_dir / "bad.json").write_text(json.dumps({
         "train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "AdamW"}}))
-    run = crew("run", "--num_gpus", "2", SCRIPT, "--deepspeed_config", "bad.json", cwd=job_dir)
+    early = crew("run", "--num_gpus", "2", SCRIPT, "--deepspeed_config", "bad.json", cwd=job_dir)
+    assert early.code == 2 and early.out == ""  # crew.precheck: no rank started
+    assert early.err.startswith("crew: error: bad.json: train_batch_size 30 is not a positive multiple")
+    assert early.err.count("\n") == 1 and "Set train_batch_size to 24 or 32" in early.err
+    # The ranks' own check, when crew's is skipped: one clear line each, no traceback
+    run = crew("run", "--num_gpus", "2", "--skip_preflight", SCRIPT, "--deepspeed_config", "bad.json", cwd=job_dir)
     assert run.code == 1
     assert f"crew: error (at {SCRIPT}:" in run.err
     assert "bad.json: train_batch_size 30" in run.err and "Set train_batch_size to 24 or 32" in run.err

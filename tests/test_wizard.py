@@ -148,5 +148,5 @@ def test_an_output_dir_that_is_a_file_is_named(tmp_path):
 
 def test_a_bad_flag_value_is_named():
     result = subprocess.run(crew_command("config", "--yes", "--num_gpus", "0"), capture_output=True, text=True)
-    assert result.returncode == 2 and "argument --num_gpus/--num-gpus: '0' is not a whole number 1 or more." in (
-        result.stderr)
+    assert result.returncode == 2 and result.stderr == (
+        "crew config: error: --num_gpus: '0' is not a whole number 1 or more. See 'crew config --help'.\n")

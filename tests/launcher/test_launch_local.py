@@ -213,11 +213,11 @@ def test_bad_input_is_one_clear_line_not_a_traceback(job_dir, args, expected):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--max_restarts", "-1"], "--max-restarts: '-1' is not a whole number >= 0"),
-    (["--ssh_port", "70000"], "--ssh-port: '70000' is not a port number (1-65535)"),
-    (["--master_port", "0"], "--master-port: '0' is not a port number (1-65535)"),
-    (["--init_timeout", "-5"], "--init-timeout: '-5' is not a number of seconds >= 0 (0 turns the check off)"),
-    (["--init_timeout", "ten"], "--init-timeout: 'ten' is not a number of seconds >= 0"),
+    (["--max_restarts", "-1"], "--max_restarts: '-1' is not a whole number >= 0"),
+    (["--ssh_port", "70000"], "--ssh_port: '70000' is not a port number (1-65535)"),
+    (["--master_port", "0"], "--master_port: '0' is not a port number (1-65535)"),
+    (["--init_timeout", "-5"], "--init_timeout: '-5' is not a number of seconds >= 0 (0 turns the check off)"),
+    (["--init_timeout", "ten"], "--init_timeout: 'ten' is not a number of seconds >= 0"),
 ])
 def test_numeric_options_are_checked(job_dir, args, expected):
     result = crew("run", *args, "x.py", cwd=job_dir)

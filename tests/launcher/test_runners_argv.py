@@ -216,6 +216,7 @@ def test_local_launch_argv():
     {"mode": "module", "local_rank_arg": False, "log_dir": "/logs", "grace_s": 0.5,
      "restart_count": 3},
     {"env": {"A": "line1\nline2", "B": "ünïcödé", "C": "$(x) `y` 'z' \"w\""}},
+    {"bind_cores": True, "bind_core_list": "1,3-5", "save_pid": 4242},
 ])
 def test_jobspec_round_trip(fields):
     job = make_job(**fields)
@@ -226,6 +227,14 @@ def test_jobspec_round_trip(fields):
     assert JobSpec.from_json(line.decode()) == job
     assert JobSpec.from_b64(job.to_b64()) == job
     assert JobSpec.from_json(line).nodes[1].slots == (0, 1)     # tuples again, not lists
+
+
+def test_jobspec_from_an_older_launcher_takes_the_defaults():
+    data = json.loads(make_job().to_line())
+    for name in ("bind_cores", "bind_core_list", "save_pid"):
+        del data[name]
+    job = JobSpec.from_json(json.dumps(data))
+    assert (job.bind_cores, job.bind_core_list, job.save_pid) == (False, None, 0)
 
 
 def test_jobspec_world_size():

@@ -189,6 +189,17 @@ def test_scancel_is_no_success(cluster, job_dir):
     assert wait_until_gone(job_dir) == []
 
 
+def test_an_agent_killed_without_a_word_is_named_and_the_other_node_stopped(cluster, job_dir):
+    """srun does not end the step for it (--kill-on-bad-exit=0): crew reads srun's line on the task."""
+    write_script(job_dir, "kill.py", FAIL_ON_NODE_1.replace(
+        "sys.exit(3)", "import signal; time.sleep(0.2); os.kill(os.getppid(), signal.SIGKILL)"))
+    done = salloc(cluster, "run", "--num_gpus", "2", "kill.py", cwd=job_dir)
+    assert done.returncode == 128 + signal.SIGKILL, done.stderr
+    assert f"{NODES[1]}: the crew agent ended (srun: Killed) before its ranks finished." in done.stderr
+    assert wait_until_gone(job_dir) == []
+    assert no_steps_left(cluster)
+
+
 def test_sbatch_script_runs_crew_once(cluster, job_dir):
     write_script(job_dir, "hello.py", """
         import os
@@ -321,7 +332,7 @@ def test_one_srun_for_every_node(monkeypatch):
     argv = list(launch.argv)
     assert argv[0] == "srun" and launch.node_ranks == (0, 1) and launch.label == "srun"
     for option in ("--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=gpu01,gpu02",
-                   "--kill-on-bad-exit=1", "--export=ALL", "--input=all", "--chdir=/work/dir", "--overlap"):
+                   "--kill-on-bad-exit=0", "--export=ALL", "--input=all", "--chdir=/work/dir", "--overlap"):
         assert option in argv
     assert argv[argv.index("/opt/py"):] == ["/opt/py", "-u", "-m", "crew.launcher.node.agent", "--job", "j0b",
                                             "--node_rank", "slurm"]

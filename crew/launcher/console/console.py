@@ -214,8 +214,9 @@ class Thinner:
 class Console:
     """crew's stdout (the ranks' stdout) and stderr (the ranks' stderr and crew's own messages)."""
 
-    def __init__(self, out: BinaryIO, err: BinaryIO, tty: bool | None = None):
+    def __init__(self, out: BinaryIO, err: BinaryIO, tty: bool | None = None, level: str = "info"):
         self.out, self.err = out, err
+        self.level = level  # --log_level: above info, `info` lines are not said
         self.tty = is_terminal(out) if tty is None else tty
         self.window = env_seconds(MERGE_WINDOW_ENV, MERGE_WINDOW_S)
         self.interval = env_seconds(PROGRESS_INTERVAL_ENV, PROGRESS_INTERVAL_S)
@@ -260,6 +261,12 @@ class Console:
         with self._cond:
             self._flush(time.monotonic(), everything=True)
             self._show([(2, data)])
+
+    def info(self, text: str) -> None:
+        """An informational line (the layout, start-up times, a passed preflight): said as `say` does, unless
+        --log_level is warning or above. Warnings, failures and reports go through `say` at every level."""
+        if self.level in ("debug", "info"):
+            self.say(text)
 
     def agent_line(self, fd: int, line: bytes) -> None:
         """One line of an agent's stdout (fd 1) or stderr (fd 2), events excepted."""

@@ -27,8 +27,9 @@ HANG_EXIT_CODE = 124  # as timeout(1): the ranks did not all join within --init_
 class HangWatch:
     """The join states of the ranks this launcher runs, the stacks received, and the report of a hang."""
 
-    def __init__(self, job: JobSpec, launches: Sequence[AgentLaunch], say: Callable[[str], None]):
-        self.job, self.say = job, say
+    def __init__(self, job: JobSpec, launches: Sequence[AgentLaunch], say: Callable[[str], None],
+                 info: Callable[[str], None] | None = None):
+        self.job, self.say, self.info = job, say, info or say  # info: lines --log_level warning drops
         self.hosts = {rank: job.nodes[n].host for launch in launches for n in launch.node_ranks
                       for rank in job.nodes[n].ranks}
         self.node_of = {rank: n for launch in launches for n in launch.node_ranks for rank in job.nodes[n].ranks}
@@ -65,7 +66,7 @@ class HangWatch:
         if all(state in (JOINED, EXITED) for state in states):
             self._watching = False
             if all(state == JOINED for state in states):
-                self.say(f"all {len(states)} ranks joined the process group (master {self.job.master_addr}:"
+                self.info(f"all {len(states)} ranks joined the process group (master {self.job.master_addr}:"
                          f"{self.job.master_port}) {time.monotonic() - self._t0:.2f}s after the start")
 
     def on_stack(self, event: dict) -> None:
@@ -128,6 +129,8 @@ class HangWatch:
         """The report of the hang, None when there was none."""
         if not self.hang:
             return None
+        if self.hang == "stall":
+            return self._stall_report()
         return self._init_report() if self.hang == "init" else self._collective_report()
 
     def _ranks_at(self, ranks: list[int]) -> str:
@@ -190,6 +193,22 @@ class HangWatch:
         return joinwatch.missing_cause(
             state or NOT_CONNECTED, event.get("remote"), host, self.job.master_addr, self.job.master_port,
             rank0, stack_taken=place is not None, in_init=bool(place and place.in_collective))
+
+    def on_stall_end(self) -> None:
+        """The launcher ends a stall (--collective_timeout): the stacks it asks for make the report."""
+        self.hang = "stall"
+
+    def _stall_report(self) -> str:
+        places = self._places()
+        lines = self._where_lines(places, {}) if self.stacks_possible else [
+            "no stacks: the pdsh launcher gives the agents no stdin to ask them with (the stall report above "
+            "says where the ranks were)."]
+        late = [(r, self.hosts.get(r, "?"), place.location) for r, place in places.items()
+                if place is not None and not place.in_collective]
+        if late:
+            lines.append("did not arrive: " + "; ".join(f"{stacks.rank_list(ranks)} ({host}) at {where}"
+                                                       for ranks, host, where in stacks.merged(late)))
+        return "\n".join(lines)
 
     def _collective_report(self) -> str:
         """Where each rank was when one timed out in a collective; the ranks that were not in one."""

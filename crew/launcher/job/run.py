@@ -25,13 +25,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from crew.launcher.node import binding
 from crew.launcher.transport import runners
 from crew.launcher.console.console import Console
 from crew.launcher.preflight.gate import PreflightGate
 from crew.launcher.job.hangs import HANG_EXIT_CODE, HangWatch
+from crew.launcher.job.holds import Holds, TaskEnd, srun_task_end
+from crew.launcher.job.stalls import StallWatch, format_duration
 from crew.launcher.transport.proc import signal_tree
-from crew.launcher.transport.protocol import (GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, JobSpec, decode_event,
-                                              whole_lines)
+from crew.launcher.transport.protocol import (GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, WHERE_COMMAND, JobSpec,
+                                              decode_event, whole_lines)
 from crew.launcher.job.record import FirstFailure, JobRecord
 from crew.launcher.transport.runners import AgentLaunch, ssh_fix
 
@@ -75,9 +78,13 @@ class JobRun:
         self.interrupted: str | None = None
         self.started: dict[int, dict] = {}
         self.done: set[int] = set()
+        self.ended: set[int] = set()  # nodes whose agent process has exited
+        self.holds = Holds()  # an outside stop or srun's word on a task's end, until the nodes' own come
         self._stop_deadline: float | None = None
         self._held_lock = threading.Lock()
-        self.hangs = HangWatch(job, launches, console.say)  # join states, stacks, the report of a hang
+        self.hangs = HangWatch(job, launches, console.say, console.info)  # join states, stacks, a hang's report
+        self.stalls = StallWatch(self.hangs.hosts, len(job.nodes), job.stall_watch_s, job.collective_timeout,
+                                 self.hangs.stacks_possible, console.say) if job.stall_watch_s else None
 
     def run(self) -> int:
         handlers = self._install_signal_handlers()
@@ -88,6 +95,8 @@ class JobRun:
             self._start_more()
             self._supervise()
             self.finished_at = time.monotonic()
+            if self.stalls and self.stalls.reported and not self._stopping():
+                self.stalls.check()  # the ranks moved on and ended before the next look: say the stall is over
             report = self.hangs.report()
             if report:
                 self.console.say(report)
@@ -162,6 +171,9 @@ class JobRun:
         for line in whole_lines(agent.proc.stderr):
             if not line.startswith(PROGRESS_MARK):
                 agent.stderr_tail.append(line.decode(errors="replace").rstrip())
+            if agent.launch.label == "srun" and (end := srun_task_end(line.decode(errors="replace"))):
+                self.events.put(("task_end", index, end))  # crew says it, or quotes it (holds)
+                continue
             with self._held_lock:
                 if agent.held is not None:
                     agent.held.append(line)
@@ -191,6 +203,9 @@ class JobRun:
                 self._on_agent_exit(self.agents[index])
             elif kind == "signal":
                 self._on_signal(value)
+            elif kind == "task_end":
+                self._on_task_end(self.agents[index], value)
+            self._judge_held()
             before = len(self.agents)
             self._start_more()
             running += len(self.agents) - before
@@ -203,10 +218,13 @@ class JobRun:
             join_deadline = self._join_deadline()
             if join_deadline is not None and now >= join_deadline:
                 self._on_join_deadline()
+            stall_check = self._stall_deadline()
+            if stall_check is not None and now >= stall_check:
+                self._on_stall_check()
 
     def _time_left(self) -> float | None:
-        deadlines = [d for d in (self._stop_deadline, self._join_deadline(), self._preflight_deadline())
-                     if d is not None]
+        deadlines = [d for d in (self._stop_deadline, self._join_deadline(), self._preflight_deadline(),
+                                 self.holds.deadline(), self._stall_deadline()) if d is not None]
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
@@ -217,6 +235,30 @@ class JobRun:
     def _join_deadline(self) -> float | None:
         """When to give up on the ranks that have not joined (`HangWatch.deadline`); None once stopping."""
         return None if self._stopping() else self.hangs.deadline()
+
+    def _stall_deadline(self) -> float | None:
+        return None if self._stopping() or not self.stalls else self.stalls.deadline()
+
+    def _on_stall_check(self) -> None:
+        """Ask every agent where its ranks are, or end a stall that lasted --collective_timeout."""
+        action = self.stalls.check()
+        if action == "ask":
+            self._tell_agents(WHERE_COMMAND)
+        elif action == "end":
+            self.hangs.on_stall_end()
+            then = ("Collecting every rank's Python stack (SIGABRT; faulthandler prints it) before stopping the "
+                    "job; the report follows." if self.hangs.stacks_possible else "Stopping the job.")
+            self._fail(HANG_EXIT_CODE, f"the stall lasted {format_duration(self.job.collective_timeout)} "
+                       f"(--collective_timeout). {then}", with_stacks=self.hangs.stacks_possible)
+
+    def _tell_agents(self, command: bytes) -> None:
+        for agent in self.agents:
+            if agent.launch.spec_on_stdin:
+                try:
+                    agent.proc.stdin.write(command + b"\n")
+                    agent.proc.stdin.flush()
+                except (OSError, ValueError):
+                    pass  # it has just ended: its exit says so
 
     def _on_join_deadline(self) -> None:
         message = self.hangs.on_deadline()
@@ -241,6 +283,8 @@ class JobRun:
                 self._report_startup()
         elif kind == "join":
             self.hangs.on_join(event)
+        elif kind == "places" and self.stalls:
+            self.stalls.on_places(event)
         elif kind == "stack":
             self.hangs.on_stack(event)
         elif kind == "rank_failed":
@@ -256,8 +300,9 @@ class JobRun:
             self.done.add(event["node"])
             self.codes.update({int(rank): _exit_code(code) for rank, code in event["codes"].items()
                                if code is not None})
+            self.holds.reported(event["node"])
             if event.get("exit_code") and not self._stopping():  # stopped by someone else: not a success
-                self._fail(event["exit_code"], _describe_outside_stop(event), host=event["host"])
+                self.holds.outside_stop(event)  # unless a rank failure elsewhere is on its way (holds)
 
     def _on_agent_exit(self, agent: Agent) -> None:
         if self.gate and self.gate.waiting:
@@ -266,11 +311,39 @@ class JobRun:
                                   agent.timed_out)
                 self._open_gate()
             return
+        self.ended.update(agent.launch.node_ranks)
         missing = [n for n in agent.launch.node_ranks if n not in self.done]
-        if missing and not self._stopping():
+        if missing and not self._stopping() and self.holds.outside is None:
             code = agent.proc.returncode
             self._fail(_exit_code(code) or 1, self._describe_agent_failure(agent, code),
                        host=agent.launch.label)
+
+    def _on_task_end(self, agent: Agent, end: TaskEnd) -> None:
+        for node in agent.launch.node_ranks:
+            if self.job.nodes[node].host in end.hosts and node not in self.done:
+                self.holds.task_end(node, end)
+
+    def _judge_held(self) -> None:
+        """End the job on what `holds` kept back, once it falls due."""
+        if self._stopping():
+            self.holds.clear()
+            return
+        outside, ended = self.holds.due(settled=len(self.done | self.ended) == len(self.job.nodes))
+        if outside is not None:
+            self._fail(outside["exit_code"], _describe_outside_stop(outside), host=outside["host"])
+        for node, end in ended:
+            self._on_silent_end(node, end)
+
+    def _on_silent_end(self, node: int, end: TaskEnd) -> None:
+        """srun says a node's agent ended, and it never said `done`: it died, or never started."""
+        agent = next(a for a in self.agents if node in a.launch.node_ranks)
+        if self.gate and self.gate.waiting:
+            self.gate.on_exit((node,), end.code, list(agent.stderr_tail), False)
+            self._open_gate()
+        elif not self._stopping():
+            host = self.job.nodes[node].host
+            self._fail(end.code, self._describe_agent_failure(agent, end.code, host, f"(srun: {end.status})"),
+                       host=host)
 
     def _open_gate(self) -> None:
         """Every node has answered the preflight: start all their ranks, or none."""
@@ -281,7 +354,7 @@ class JobRun:
         if not passed:
             self._fail(1, text)  # closes every agent's stdin: they end without starting a rank
             return
-        self.console.say(text)
+        self.console.info(text)
         for agent in self.agents:
             try:
                 agent.proc.stdin.write(GO_COMMAND + b"\n")
@@ -350,17 +423,19 @@ class JobRun:
 
     def _report_startup(self) -> None:
         times = startup_times(self.started)
-        for line in startup_lines(times, self.verbose):
-            self.console.say(line)
+        for line in [*startup_lines(times, self.verbose), *binding.startup_lines(self.started, self.verbose)]:
+            self.console.info(line)
         if self.record:
             self.record.startup(times)
 
-    def _describe_agent_failure(self, agent: Agent, code: int) -> str:
+    def _describe_agent_failure(self, agent: Agent, code: int, node_host: str | None = None,
+                                how: str | None = None) -> str:
+        """`node_host`: the one node it was about, where the agent served several (srun)."""
         tail = "\n".join(f"    {line}" for line in agent.stderr_tail) or "    (nothing)"
-        host = agent.launch.label
-        where = host if len(agent.launch.node_ranks) == 1 else "the nodes"  # pdsh, srun: all of them
+        host = node_host or agent.launch.label
+        where = host if node_host or len(agent.launch.node_ranks) == 1 else "the nodes"  # pdsh, srun: all
         fix = ssh_fix(agent.stderr_tail, where, self.ports.get(agent.launch.node_ranks[0]))
-        message = f"{host}: the crew agent ended with code {code} before its ranks finished."
+        message = f"{host}: the crew agent ended {how or f'with code {code}'} before its ranks finished."
         if fix:
             message += " " + fix
         return f"{message}\n  Its last stderr lines:\n{tail}"

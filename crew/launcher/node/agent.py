@@ -12,7 +12,8 @@ sends a `join` event whenever a rank's state changes. A `stacks` line from the l
 rank that fails with a collective timeout) makes it stop the ranks with SIGABRT instead: faulthandler,
 which every rank has on (PYTHONFAULTHANDLER=1), prints each thread's stack to the rank's stderr, and the
 agent sends a `stack` event per rank with the main thread's frames (`stacks`). Under pdsh there is no
-stdin, so no `stacks` line can arrive: there the launcher stops the job without stacks.
+stdin, so no `stacks` line can arrive: there the launcher stops the job without stacks. While the ranks
+run, a `sampler.Sampler` looks at them for stalls (`places` events; a `where` line asks it at once).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 import crew
-from crew.launcher.node import stacks
+from crew.launcher.node import binding, pidfile, sampler, stacks
 from crew.launcher.node.joinwatch import JoinWatch
-from crew.launcher.transport.proc import die_with_parent, seconds_since_exec, signal_group
-from crew.launcher.transport.protocol import (GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, JobSpec, NodeSpec,
-                                              node_arguments, read_job)
+from crew.launcher.transport.proc import seconds_since_exec, signal_group
+from crew.launcher.transport.protocol import (GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, WHERE_COMMAND, JobSpec,
+                                              NodeSpec, node_arguments, read_job)
 from crew.launcher.node.ranks import Output, Rank
 from crew.launcher.node.streams import IDLE_FLUSH_S, PROGRESS, Item, StreamSplitter
 
@@ -43,6 +44,7 @@ KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel before givin
 HEARTBEAT_S = 2.0
 STDERR_DRAIN_S = 1.0  # after a rank ends, how long to wait for the rest of its stderr
 DEEPSPEED_SHIM = str(Path(crew.__file__).parent / "deepspeed" / "shim")
+RANK_SITE = str(Path(__file__).parent / "site")  # its sitecustomize runs first in every rank
 
 
 def rank_env(job: JobSpec, node_rank: int, local_rank: int, base: dict[str, str]) -> dict[str, str]:
@@ -70,8 +72,9 @@ def rank_env(job: JobSpec, node_rank: int, local_rank: int, base: dict[str, str]
     env.setdefault("PYTHONFAULTHANDLER", "1")  # SIGABRT prints every thread's stack: see Supervisor
     if not has_gpu():  # else Accelerate's state finds no GPU backend and says world size 1 (its state.py)
         env.setdefault("ACCELERATE_USE_CPU", "true")
-    if job.as_deepspeed:  # this node's crew answers `import deepspeed` (crew/deepspeed/alias.py)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [DEEPSPEED_SHIM, env.get("PYTHONPATH")]))
+    # as_deepspeed: this node's crew answers `import deepspeed` (crew/deepspeed/alias.py)
+    shim = DEEPSPEED_SHIM if job.as_deepspeed else None
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [RANK_SITE, shim, env.get("PYTHONPATH")]))
     return env
 
 
@@ -118,7 +121,7 @@ def _master_port_problem(port: int, host: str) -> str | None:
     return None
 
 
-def spawn(job: JobSpec, node_rank: int) -> list[Rank]:
+def spawn(job: JobSpec, node_rank: int, bindings: list[binding.Binding] | None = None) -> list[Rank]:
     node = job.nodes[node_rank]
     log_dir = Path(job.cwd, job.log_dir) if job.log_dir else None
     if log_dir:
@@ -127,12 +130,20 @@ def spawn(job: JobSpec, node_rank: int) -> list[Rank]:
     try:
         for local_rank, rank in enumerate(node.ranks):
             log = open(log_dir / f"rank{rank}.log", "ab", buffering=0) if log_dir else None
-            proc = subprocess.Popen(
-                rank_argv(job, local_rank), cwd=job.cwd,
-                env=rank_env(job, node_rank, local_rank, dict(os.environ)),
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, preexec_fn=die_with_parent)
-            ranks.append(Rank(rank, local_rank, proc, log))
+            bound = bindings[local_rank] if bindings else None  # --bind_cores_to_rank
+            env = binding.rank_threads(rank_env(job, node_rank, local_rank, dict(os.environ)), job.env, bound)
+            read_end, write_end = sampler.stack_pipe() if job.stall_watch_s else (None, None)
+            try:
+                proc = subprocess.Popen(
+                    rank_argv(job, local_rank), cwd=job.cwd,
+                    env={**env, **sampler.rank_stacks_env(write_end)} if write_end is not None else env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    pass_fds=() if write_end is None else (write_end,),
+                    start_new_session=True, preexec_fn=binding.preexec(bound))
+            finally:
+                if write_end is not None:
+                    os.close(write_end)  # the rank holds it now
+            ranks.append(Rank(rank, local_rank, proc, log, stack_pipe=read_end))
     except OSError:
         for started in ranks:
             signal_group(started.proc.pid, signal.SIGKILL)
@@ -182,9 +193,9 @@ def _note_stderr(rank: Rank, text: str) -> None:
         rank.dump.append(text)
 
 
-def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool) -> None:
-    """Post the launcher's commands (stdin lines after the spec: `stacks`), and a stop when its end
-    closes: stdin EOF, or stdout hang-up (pdsh).
+def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool, on_where=None) -> None:
+    """Post the launcher's commands (stdin lines after the spec: `stacks`; `where` calls `on_where`), and a
+    stop when its end closes: stdin EOF, or stdout hang-up (pdsh).
 
     Without stdin (pdsh) a heartbeat line goes up every few seconds: if `crew run` is gone (and
     pdsh with it), the ssh client's write to pdsh fails, it exits, and the hang-up reaches here.
@@ -205,6 +216,8 @@ def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool) -> No
                 for line in lines:
                     if line.strip() == STACKS_COMMAND:
                         events.put(("stacks", "the launcher asked for every rank's stack"))
+                    elif line.strip() == WHERE_COMMAND and on_where:
+                        on_where()
                 continue  # anything else is ignored
             reason = "the launcher closed the connection" if fd == 0 else "the launcher is gone"
             events.put(("stop", reason))
@@ -215,9 +228,10 @@ class Supervisor:
     """Waits for the ranks; on the first failure or a stop, takes every rank's group down."""
 
     def __init__(self, job: JobSpec, node_rank: int, ranks: list[Rank], output: Output,
-                 events: queue.Queue, joins: JoinWatch | None = None):
+                 events: queue.Queue, joins: JoinWatch | None = None, looks: sampler.Sampler | None = None):
         self.job, self.node, self.ranks = job, job.nodes[node_rank], ranks
         self.node_rank, self.output, self.events, self.joins = node_rank, output, events, joins
+        self.looks = looks
         self.failure: Rank | None = None
         self.stop_reason: str | None = None
         self._deadline: float | None = None
@@ -271,8 +285,7 @@ class Supervisor:
         if self.stop_reason is not None:
             return
         self.stop_reason = reason
-        if self.joins:
-            self.joins.stopped.set()
+        self.stop_watching()
         for rank in self.ranks:
             if rank.proc.poll() is not None:
                 continue
@@ -293,10 +306,16 @@ class Supervisor:
                 self._signal_all(signal.SIGKILL)
             return
         self.stop_reason = reason
-        if self.joins:
-            self.joins.stopped.set()
+        self.stop_watching()
         self._signal_all(signal.SIGTERM)
         self._deadline = time.monotonic() + self.job.grace_s
+
+    def stop_watching(self) -> None:
+        """The ranks are being stopped: no more join states, no more looks at them."""
+        if self.joins:
+            self.joins.stopped.set()
+        if self.looks:
+            self.looks.stop()
 
     def _signal_all(self, sig: signal.Signals) -> None:
         for rank in self.ranks:
@@ -361,27 +380,29 @@ def run(job: JobSpec, node_rank: int, watch_stdin: bool, wait_for_go: bool = Fal
     waited_s = 0.0
     if wait_for_go and (waited_s := await_go(job, node_rank, output)) is None:
         return 0
-    problem = preflight(job, node_rank)
+    bindings = binding.for_node(job, node_rank)  # a str: why the cores cannot be divided
+    problem = preflight(job, node_rank) or (bindings if isinstance(bindings, str) else None)
     if problem:
         output.event("error", node=node_rank, host=node.host, message=problem)
         return 1
     started = time.monotonic()
     boot_s = seconds_since_exec() - waited_s
     try:
-        ranks = spawn(job, node_rank)
+        ranks = spawn(job, node_rank, bindings)
     except OSError as exc:
         output.event("error", node=node_rank, host=node.host,
                      message=f"cannot start the ranks on {node.host}: {exc}")
         return 1
     output.event("started", node=node_rank, host=node.host, pids=[r.proc.pid for r in ranks],
                  boot_s=round(boot_s, 3), spawn_s=round(time.monotonic() - started, 3),
-                 waited_s=round(waited_s, 3))
+                 waited_s=round(waited_s, 3), **binding.event_fields(bindings))
     joins = JoinWatch(job, node_rank, ranks, output) if job.init_timeout > 0 and job.world_size > 1 else None
-    pumps = _start_threads(ranks, node, output, events, watch_stdin, joins)
-    supervisor = Supervisor(job, node_rank, ranks, output, events, joins)
+    looks = sampler.Sampler(ranks, output, node_rank, node.host, job.cwd, sampler.look_interval(job.stall_watch_s),
+                            every_stack=not watch_stdin) if job.stall_watch_s else None
+    pumps = _start_threads(ranks, node, output, events, watch_stdin, joins, looks)
+    supervisor = Supervisor(job, node_rank, ranks, output, events, joins, looks)
     code = supervisor.run()
-    if joins:
-        joins.stopped.set()
+    supervisor.stop_watching()
     for thread in pumps:
         thread.join(timeout=2.0)  # a daemon that escaped its group may hold a pipe open
     supervisor.report_stacks()
@@ -393,8 +414,8 @@ def run(job: JobSpec, node_rank: int, watch_stdin: bool, wait_for_go: bool = Fal
     return code
 
 
-def _start_threads(ranks: list[Rank], node: NodeSpec, output: Output, events: queue.Queue,
-                   watch_stdin: bool, joins: JoinWatch | None = None) -> list[threading.Thread]:
+def _start_threads(ranks: list[Rank], node: NodeSpec, output: Output, events: queue.Queue, watch_stdin: bool,
+                   joins: JoinWatch | None = None, looks: sampler.Sampler | None = None) -> list[threading.Thread]:
     def start(target, *args) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
@@ -406,9 +427,11 @@ def _start_threads(ranks: list[Rank], node: NodeSpec, output: Output, events: qu
         pumps.append(start(pump, rank, rank.proc.stdout, 1, prefix, output))
         pumps.append(start(pump, rank, rank.proc.stderr, 2, prefix, output))
         start(lambda r: (r.proc.wait(), events.put(("exit", r))), rank)
-    start(watch_launcher, events, output, watch_stdin)
+    start(watch_launcher, events, output, watch_stdin, looks.ask if looks else None)
     if joins:
         start(joins.run)
+    if looks:
+        start(looks.run)
     return pumps
 
 
@@ -420,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.preflight and args.watch != "stdin":
         parser.error("--preflight needs the launcher's stdin (--watch stdin)")
     job = read_job(parser, args)  # resolves --node_rank slurm into this node's index
-    return run(job, args.node_rank, watch_stdin=args.watch == "stdin", wait_for_go=args.preflight)
+    with pidfile.saved(job.save_pid):  # --save_pid
+        return run(job, args.node_rank, watch_stdin=args.watch == "stdin", wait_for_go=args.preflight)
 
 if __name__ == "__main__":
     sys.exit(main())

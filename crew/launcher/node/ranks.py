@@ -28,6 +28,7 @@ class Rank:
     stderr_done: threading.Event = field(default_factory=threading.Event)
     dump: list[str] | None = None  # its stderr lines since it was sent SIGABRT for its stack
     said_timeout: bool = False  # a stderr line said a torch.distributed operation timed out
+    stack_pipe: int | None = None  # read end of the pipe its stacks come on, when asked (node/sampler)
 
     @property
     def code(self) -> int | None:

@@ -79,6 +79,17 @@ def parse_dump(lines: Iterable[str]) -> list[Thread] | None:
     return threads
 
 
+def single_stack(text: str) -> tuple[Frame, ...] | None:
+    """The frames of a one-thread faulthandler dump (`faulthandler.register(all_threads=False)`: a
+    `Stack (most recent call first):` header, then frames), innermost first; None if `text` holds none."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == _STACK]
+    if not starts:
+        return None
+    return tuple(Frame(m["file"], int(m["line"]), m["func"])
+                 for line in lines[starts[-1] + 1:] if (m := _DUMP_FRAME.match(line)))
+
+
 def main_frames(threads: Sequence[Thread]) -> tuple[Frame, ...]:
     """The main thread's frames: faulthandler lists the newest thread first, so the main one last."""
     return threads[-1].frames if threads else ()

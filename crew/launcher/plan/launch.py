@@ -9,15 +9,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 import socket
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from crew.errors import LaunchError, PlanError
 from crew.launcher.transport import runners
-from crew.launcher.plan import slurm
+from crew.launcher.plan import dsflags, slurm
 from crew.launcher.plan.env import gather_env
 from crew.launcher.plan.hostfile import Host, is_number, read_hostfile
 from crew.launcher.plan.plan import NodePlan, Plan, build_plan, is_local_name, select_hosts
@@ -36,10 +36,15 @@ class Launch:
     launcher: str
     hosts: list[Host]
     plan: Plan
-    ssh_args: tuple[str, ...]
+    ssh_args: tuple[str, ...]  # PDSH_SSH_ARGS_APPEND's words, then --ssh_args
+    launcher_args: tuple[str, ...] = ()  # --launcher_args, for pdsh or srun
+    venv_script: str | None = None  # --venv_script, sourced on every node before the agent (ssh, pdsh, srun)
+    notes: tuple[dsflags.Note, ...] = ()  # what crew says of DeepSpeed's flags before it starts
 
 
 def resolve(args: argparse.Namespace) -> Launch:
+    dsflags.refuse_unsupported(args)
+    args, notes = dsflags.requested(args)  # --no_ssh: standalone
     on_slurm = _uses_slurm(args)
     if on_slurm:
         hosts = slurm.allocation_hosts(os.environ, args.num_gpus)
@@ -55,14 +60,18 @@ def resolve(args: argparse.Namespace) -> Launch:
     if args.ssh_port:
         hosts = [h if h.ssh_port else Host(h.name, h.slots, args.ssh_port) for h in hosts]
     launcher = "slurm" if on_slurm else _choose_launcher(args, hosts)
-    ssh_args = tuple(shlex.split(args.ssh_args))
+    launcher, launcher_args, launcher_notes = dsflags.settle_launcher(launcher, args)
+    venv, venv_notes = dsflags.venv_script(args, launcher)
+    ssh_args = dsflags.ssh_args(os.environ, args.ssh_args)
     master_addr = args.master_addr or _default_master(launcher, hosts[0], ssh_args)
     if launcher == "standalone" and len(hosts) > 1 and not args.master_port:
         raise PlanError("--launcher standalone on several nodes needs --master_port: each node "
                         "plans on its own and all must agree on the port.")
     port = args.master_port or _free_port()
     env = gather_env(os.environ, Path.home(), Path.cwd(), args.env)
-    return Launch(launcher, hosts, build_plan(hosts, master_addr, port, env), ssh_args)
+    notes += [*dsflags.binding_notes(args), *launcher_notes, *venv_notes]
+    return Launch(launcher, hosts, build_plan(hosts, master_addr, port, env), ssh_args, launcher_args, venv,
+                  tuple(notes))
 
 
 def _uses_slurm(args: argparse.Namespace) -> bool:
@@ -154,20 +163,28 @@ def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0,
         as_deepspeed=getattr(args, "as_deepspeed", False),
         log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
         restart_count=restart_count, init_timeout=getattr(args, "init_timeout", None) or 0.0,
-        line_max=slurm.LINE_MAX if launch.launcher == "slurm" else 0)
+        line_max=slurm.LINE_MAX if launch.launcher == "slurm" else 0,
+        bind_cores=bool(args.bind_cores_to_rank or args.bind_core_list), bind_core_list=args.bind_core_list or None,
+        save_pid=os.getpid() if args.save_pid else 0,
+        stall_report=getattr(args, "stall_report", 0.0), collective_timeout=getattr(args, "collective_timeout", 0.0))
 
 
 def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,
                    module: str = runners.AGENT_MODULE, extra: tuple[str, ...] = ()):
-    """How each node's agent (or another crew module, e.g. the doctor's probe) gets started."""
+    """How each node's agent (or another crew module, e.g. the doctor's probe) gets started. With
+    --venv_script and no --python, the agent is the `python3` the script puts on the node's PATH."""
     ports = [node.ssh_port for node in launch.plan.nodes]
+    venv = launch.venv_script
+    python = args.python or ("python3" if venv else sys.executable)
     if launch.launcher == "ssh":
-        return runners.ssh_launches(job, args.python, ports, launch.ssh_args, module, extra)
+        return runners.ssh_launches(job, python, ports, launch.ssh_args, module, extra, venv=venv)
     if launch.launcher == "pdsh":
-        return runners.pdsh_launches(job, args.python, ports, launch.ssh_args, module, extra)
+        return runners.pdsh_launches(job, python, ports, launch.ssh_args, module, extra, venv=venv,
+                                     launcher_args=launch.launcher_args)
     if launch.launcher == "slurm":
-        return runners.slurm_launches(job, args.python, slurm.srun_options(os.environ), module, extra)
-    return runners.local_launches(job, args.python, args.node_rank or 0, module, extra)
+        options = [*slurm.srun_options(os.environ), *launch.launcher_args]
+        return runners.slurm_launches(job, python, options, module, extra, venv=venv)
+    return runners.local_launches(job, python, args.node_rank or 0, module, extra)
 
 
 def format_layout(launch: Launch, job_id: str | None = None, verbose: bool = True) -> str:

@@ -134,10 +134,13 @@ def _run_one(launch, job: JobSpec, timeout: float,
 
 
 def _lines_of(lines: list[str], host: str, launch) -> list[str]:
-    """pdsh prefixes each node's stderr with 'host: '; keep that node's lines, unprefixed."""
+    """Under pdsh -N (runners.pdsh_launches) the nodes' stderr lines come unprefixed, so they cannot be told
+    apart: each node gets them all (a node that names itself, as --venv_script's message does, is still
+    told apart); failing any, pdsh's own line on the node ('pdsh@here: host: ssh exited with ...')."""
     if launch.label != "pdsh":
         return lines
-    return [line.split(": ", 1)[1] for line in lines if line.startswith(f"{host}: ")]
+    said = [line for line in lines if not line.startswith("pdsh@")]
+    return said or [line.split(f": {host}: ", 1)[1] for line in lines if f": {host}: " in line]
 
 
 # -- comparing ----------------------------------------------------------------------------------------

@@ -8,14 +8,16 @@ progress-bar update (text it ended with a bare carriage return, see `streams`) c
 `PROGRESS_MARK[host:rank] text`, on the agent's stream of the same kind as the rank's.
 
 After the spec, the launcher keeps the agent's stdin open: closing it means "stop", and a line
-STACKS_COMMAND means "stop every rank with its Python stack first" (see agent.Supervisor). An agent
+STACKS_COMMAND means "stop every rank with its Python stack first" (see agent.Supervisor), and a line
+WHERE_COMMAND "say where every rank is now, without stopping it" (a `places` event, node/sampler). An agent
 started with --preflight first sends a `probe` event (the quick checks' facts, as the doctor's probe)
 and starts nothing until a line GO_COMMAND arrives: the launcher sends it once every node's facts
 passed, and closes stdin instead when one did not. Events, as {"event": KIND, ...}: `probe`, `started`,
 `join` (node, host, rank, state as in joinwatch, remote: the master address it is connected or
 connecting to), `rank_failed` (..., collective_timeout: its stderr says a torch.distributed operation
 timed out), `stack` (node, host, rank, dumped, threads, frames: the main thread's [file, line,
-function], innermost first), `error`, `alive`, `done`.
+function], innermost first), `places` (node, host, where: answering WHERE_COMMAND, ranks: each rank's
+state busy/blocked/exited, for_s blocked, call and at when its stack was taken), `error`, `alive`, `done`.
 
 Under srun (`--node_rank slurm`) one srun carries every node's agent: its stdin reaches all of them
 (`--input=all`: the spec, `stacks`, `go` and EOF alike), each agent finds its node by name
@@ -35,6 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 EVENT_MARK = b"\x1ecrew-event "
 PROGRESS_MARK = b"\x1ecrew-progress "
 STACKS_COMMAND = b"stacks"
+WHERE_COMMAND = b"where"  # a stall report is being written: send every rank's place now (`places`)
 GO_COMMAND = b"go"  # after the merged preflight: every node passed, start the ranks
 PIECE_MARK = b"\x1ecrew-piece "  # PIECE_MARK NODE +|. TEXT: part of a long line; "." ends it
 AGENT_MODULE = "crew.launcher.node.agent"
@@ -67,6 +70,19 @@ class JobSpec:
     init_timeout: float = 600.0  # seconds for every rank to join the process group; 0: no limit
     as_deepspeed: bool = False  # ranks get crew's `deepspeed` shim first on PYTHONPATH
     line_max: int = 0  # agents send longer output lines in pieces (srun); 0: as they are
+    bind_cores: bool = False  # --bind_cores_to_rank: each local rank its own block of cores (node/binding)
+    bind_core_list: str | None = None  # --bind_core_list: the cores to divide (default: the physical ones)
+    save_pid: int = 0  # --save_pid: `crew run`'s pid; each agent keeps its own in /tmp/<it>.deepspeed
+    stall_report: float = 90.0  # say where every rank is once one has waited this long in a collective; 0: off
+    collective_timeout: float = 0.0  # the launcher ends a stall that lasts this long; 0: torch's own timeout
+
+    @property
+    def stall_watch_s(self) -> float:
+        """How long a rank may wait in a collective before the launcher reports (or ends) it; 0: no watch
+        (nor for a world of one rank, which has no one to wait for)."""
+        if self.world_size < 2:
+            return 0.0
+        return min((s for s in (self.stall_report, self.collective_timeout) if s > 0), default=0.0)
 
     @property
     def world_size(self) -> int:

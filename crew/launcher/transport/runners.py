@@ -20,12 +20,17 @@ from crew.launcher.transport.proc import die_with_parent
 from crew.launcher.transport.protocol import AGENT_MODULE, SLURM_NODE_RANK, JobSpec
 
 RUNNERS = ("local", "ssh", "pdsh", "standalone", "slurm")
+VENV_MISSING = "crew: --venv_script"  # how the remote shell's message starts when the script is missing
 # BatchMode: a missing key fails at once instead of prompting on a terminal nobody watches.
 # ServerAlive: a dead network path is noticed in ~30 s, and the remote agents stop their ranks.
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
                "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6")
 
 _SSH_FIXES = (
+    (VENV_MISSING, "the --venv_script file is not at that path on {host}. Put it there (the same path on "
+     "every node), or pass the path it has there."),
+    ("python3: not found", "after sourcing --venv_script there is no python3 on PATH on {host}. Make the "
+     "script put its Python on PATH, or pass --python with the interpreter's path there."),
     ("Permission denied", "the key is not authorised there. Run 'ssh-copy-id {port}{host}' "
      "(or add the key to ~/.ssh/authorized_keys on {host}); 'ssh {port}{host} true' must work "
      "without a password."),
@@ -77,8 +82,9 @@ def agent_argv(python: str, job: JobSpec, node_rank: int | str, *extra: str,
 
 
 def remote_command(python: str, job: JobSpec, node_rank: int | str, *extra: str,
-                   module: str = AGENT_MODULE) -> str:
-    """Shell text for the remote side: go to the launching directory, start the agent there.
+                   module: str = AGENT_MODULE, venv: str | None = None) -> str:
+    """Shell text for the remote side: go to the launching directory, source --venv_script (`venv`),
+    start the agent there.
 
     A failed `cd` does not stop the agent: it reports the missing directory itself, with the fix.
     PYTHONPATH is set for the agent too, so crew runs from a source checkout on every node.
@@ -86,7 +92,18 @@ def remote_command(python: str, job: JobSpec, node_rank: int | str, *extra: str,
     command = shlex.join(agent_argv(python, job, node_rank, *extra, module=module))
     if "PYTHONPATH" in job.env:
         command = f"env PYTHONPATH={shlex.quote(job.env['PYTHONPATH'])} {command}"
-    return f"cd {shlex.quote(job.cwd)}; exec {command}"
+    host = job.nodes[node_rank].host if isinstance(node_rank, int) else None
+    return f"cd {shlex.quote(job.cwd)}; {venv_prelude(venv, host)}exec {command}"
+
+
+def venv_prelude(venv: str | None, host: str | None = None) -> str:
+    """POSIX shell text that sources --venv_script, or stops with a message naming the file and the host
+    (`host`, else the node's own name) when it cannot be read there."""
+    if not venv:
+        return ""
+    where = shlex.quote(host) if host else '"$(uname -n)"'
+    message = f"{shlex.quote(f'{VENV_MISSING} {venv}: no such readable file on')} {where}"
+    return f"[ -r {shlex.quote(venv)} ] || {{ echo {message} >&2; exit 127; }}; . {shlex.quote(venv)}; "
 
 
 def ssh_argv(host: str, port: int | None, ssh_args: Sequence[str], command: str) -> list[str]:
@@ -102,18 +119,21 @@ def local_launches(job: JobSpec, python: str, node_rank: int = 0, module: str = 
 
 
 def ssh_launches(job: JobSpec, python: str, ports: Sequence[int | None], ssh_args: Sequence[str] = (),
-                 module: str = AGENT_MODULE, extra: Sequence[str] = ()) -> list[AgentLaunch]:
+                 module: str = AGENT_MODULE, extra: Sequence[str] = (), venv: str | None = None) -> list[AgentLaunch]:
     launches = []
     for node_rank, (node, port) in enumerate(zip(job.nodes, ports, strict=True)):
-        command = remote_command(python, job, node_rank, *extra, module=module)
+        command = remote_command(python, job, node_rank, *extra, module=module, venv=venv)
         launches.append(AgentLaunch((node_rank,), tuple(ssh_argv(node.host, port, ssh_args, command)),
                                     node.host))
     return launches
 
 
 def pdsh_launches(job: JobSpec, python: str, ports: Sequence[int | None], ssh_args: Sequence[str] = (),
-                  module: str = AGENT_MODULE, extra: Sequence[str] = ()) -> list[AgentLaunch]:
-    """One pdsh for all nodes; pdsh puts each node's rank in its list where the command says %n."""
+                  module: str = AGENT_MODULE, extra: Sequence[str] = (), venv: str | None = None,
+                  launcher_args: Sequence[str] = ()) -> list[AgentLaunch]:
+    """One pdsh for all nodes; pdsh puts each node's rank in its list where the command says %n.
+    --launcher_args go after pdsh's own options. PDSH_SSH_ARGS_APPEND is crew's ssh options, the user's
+    value of it included (resolve put its words first in `ssh_args`)."""
     if not shutil.which("pdsh"):
         raise LaunchError(
             "--launcher pdsh: pdsh is not installed on this machine. Install it "
@@ -128,20 +148,23 @@ def pdsh_launches(job: JobSpec, python: str, ports: Sequence[int | None], ssh_ar
     port = distinct.pop()
     ssh = [*SSH_OPTIONS, *ssh_args, *(["-p", str(port)] if port else [])]
     command = remote_command(python, job, "%n", *extra, "--spec_b64", job.to_b64(), "--watch", "stdout",
-                             module=module)
+                             module=module, venv=venv)
     argv = ["pdsh", "-S", "-N", "-R", "ssh", "-f", str(max(32, len(job.nodes))),
-            "-w", ",".join(node.host for node in job.nodes), command]
+            "-w", ",".join(node.host for node in job.nodes), *launcher_args, command]
     return [AgentLaunch(tuple(range(len(job.nodes))), tuple(argv), "pdsh", spec_on_stdin=False,
                         env={"PDSH_SSH_ARGS_APPEND": shlex.join(ssh)})]
 
 
 def slurm_launches(job: JobSpec, python: str, options: Sequence[str] = (), module: str = AGENT_MODULE,
-                   extra: Sequence[str] = ()) -> list[AgentLaunch]:
+                   extra: Sequence[str] = (), venv: str | None = None) -> list[AgentLaunch]:
     """One srun for every node (no ssh, no fan-out): one task per node, each an agent that finds its own
     node by name. The agent's stdin is every task's (`--input=all`): the spec, `go`, `stacks` and EOF
     reach all nodes at once. Other modules (the doctor's probe) get the spec in argv, as under pdsh.
-    `--whole` gives each agent its nodes' CPUs (a step otherwise gets one CPU per task); a failing
-    agent ends the step (`--kill-on-bad-exit`), though crew stops the others first itself."""
+    `--whole` gives each agent its nodes' CPUs (a step otherwise gets one CPU per task). srun must not end
+    the step when one agent fails (`--kill-on-bad-exit=0`, whatever slurm.conf's KillOnBadExit says): crew
+    stops the other nodes itself, after the failing node's report, which srun's kill could overtake (the
+    other agents would then report an outside stop); an agent that ends without a report is judged from
+    srun's line on it (job.holds). A crew killed outright takes the step down: srun gets SIGTERM."""
     if not shutil.which("srun"):
         raise LaunchError("--launcher slurm: srun is not installed here (not on PATH). Run crew where srun "
                           "works: in the salloc shell or the sbatch script, on a node of the cluster.")
@@ -149,10 +172,13 @@ def slurm_launches(job: JobSpec, python: str, options: Sequence[str] = (), modul
     spec = () if on_stdin else ("--spec_b64", job.to_b64())
     count = len(job.nodes)
     srun = ["srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
-            f"--nodelist={','.join(node.host for node in job.nodes)}", "--kill-on-bad-exit=1",
+            f"--nodelist={','.join(node.host for node in job.nodes)}", "--kill-on-bad-exit=0",
             "--export=ALL", f"--input={'all' if on_stdin else 'none'}", "--whole", f"--chdir={job.cwd}",
             *options]
-    argv = [*srun, *agent_argv(python, job, SLURM_NODE_RANK, *extra, *spec, module=module)]
+    agent = agent_argv(python, job, SLURM_NODE_RANK, *extra, *spec, module=module)
+    if venv:  # --venv_script: sourced by a shell, which then becomes the agent
+        agent = ["sh", "-c", f"{venv_prelude(venv)}exec {shlex.join(agent)}"]
+    argv = [*srun, *agent]  # `options` end with --launcher_args
     return [AgentLaunch(tuple(range(count)), tuple(argv), "srun", spec_on_stdin=on_stdin,
                         kill_signal=signal.SIGTERM, chatter=(b"srun: ", b"slurmstepd"))]
 
