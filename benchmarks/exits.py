@@ -89,8 +89,8 @@ def outcome(code: int, stderr: str) -> str:
     """clean, abort (the exit abort: SIGABRT after 'terminate called'), or failed."""
     if code == 0:
         return "clean"
-    aborted = "terminate called without an active exception" in stderr or str(128 + signal.SIGABRT) in stderr
-    return "abort" if aborted or code in (134, -6) else "failed"
+    aborted = "terminate called without an active exception" in stderr
+    return "abort" if aborted or code in (128 + signal.SIGABRT, -signal.SIGABRT) else "failed"
 
 
 def run_one(launcher: str, script: Path, env: dict) -> tuple[str, float]:

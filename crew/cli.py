@@ -111,7 +111,7 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
             help="extra ssh client arguments, e.g. \"-i ~/.ssh/cluster -F ssh_config\"")
     _option(group, "--python",
             help="Python on every node that runs crew's agent and the ranks (default: this one, at the same "
-                 "path; with --venv_script, the python3 on PATH after sourcing it)")
+                 "path; `python3`: the one on the node's PATH, e.g. after --venv_script)")
     _option(group, "--fanout", type=_window, default=FANOUT, metavar="N",
             help=f"at most N nodes connecting at once, like pdsh's -f (default {FANOUT}); the rest start as "
                  "those report their ranks started")
@@ -190,7 +190,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         said: list[str] = []
         code = doctor.preflight(launch, args, said.append, args.verbose)
-        (console.say if code else console.info)("\n".join(said))
+        if said:
+            (console.say if code else console.info)("\n".join(said))
         if code:
             return code
         timing.mark("preflight")

@@ -344,10 +344,10 @@ def test_no_ssh_is_the_standalone_launcher_on_deepspeeds_port(here, capsys):
     assert "--no_ssh: master port 29500" in err
 
 
-def test_venv_script_changes_the_python_and_is_not_sourced_locally(here, capsys):
+def test_venv_script_keeps_deepspeeds_python_and_is_not_sourced_locally(here, capsys):
     code, data, _ = plan(capsys, here, "--venv_script", "env/bin/activate")
     remote = data["nodes"][0]["command"][-1]
-    assert f". {here}/env/bin/activate; exec " in remote and " python3 -u -m " in remote
+    assert f". {here}/env/bin/activate; exec {shlex.quote(sys.executable)} -u -m " in remote
     code, data, _ = plan(capsys, here, "--venv_script", "env/bin/activate", "--python", "/opt/py")
     assert " /opt/py -u -m " in data["nodes"][0]["command"][-1]
     code, data, err = plan(capsys, here, "--venv_script", "env/bin/activate", hosts=None)
@@ -475,7 +475,7 @@ def test_venv_script_is_sourced_on_every_node(cluster, job_dir):
         print("venv:", os.environ.get("FROM_VENV"), "python:", sys.executable)
     """)
     result = crew("run", "--ssh_args", cluster.ssh_args, "-H", str(cluster.hostfile(slots=1)),
-                  "--venv_script", str(venv), "show.py", cwd=job_dir)
+                  "--venv_script", str(venv), "--python", "python3", "show.py", cwd=job_dir)
     assert result.code == 0, result.err
     python = Path(sys.executable).parent / "python3"  # the one the script put first on PATH
     assert ranks_saying(result.out, f'venv: sourced; "ok" python: {python}') == [0, 1], result.out

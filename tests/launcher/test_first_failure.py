@@ -168,7 +168,7 @@ def test_an_outside_stop_waits_for_the_nodes_or_its_time():
 def test_a_task_end_waits_for_its_nodes_done_and_yields_to_an_outside_stop():
     clock = Clock()
     holds = Holds(2.0, clock)
-    end = TaskEnd(("gpu02",), "Killed", 137, "srun: error: gpu02: task 1: Killed")
+    end = TaskEnd(("gpu02",), "Killed", 137)
     holds.task_end(1, end)
     holds.task_end(0, end)
     holds.reported(0)  # node 0's done came: moot

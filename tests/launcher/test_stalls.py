@@ -105,6 +105,43 @@ def test_collective_timeout_ends_a_stall_that_lasts():
     assert stalls.check() == "end"
 
 
+@pytest.mark.parametrize("report_after", [0.0, 30.0, 40.0])
+def test_no_report_unless_it_comes_before_the_collective_timeout(report_after):
+    stalls, said, clock = watch(report_after=report_after, end_after=30.0)
+    stalls.on_places(places(0, [blocked(0, 29.0), busy(1)]))
+    assert stalls.check() is None
+    clock.now += 1.5
+    assert stalls.check() == "end" and said == []
+
+
+def test_a_stall_that_clears_while_the_agents_answer_is_not_reported():
+    stalls, said, clock = watch()
+    stalls.on_places(places(0, [blocked(0, 10.5), busy(1)]))
+    assert stalls.check() == "ask"
+    stalls.on_places(places(0, [busy(0, at="train.py:20 in step"), busy(1)], where=True))
+    stalls.on_places(places(1, [busy(2), busy(3)], where=True))
+    clock.now += 1.0
+    assert stalls.check() is None and said == []
+    stalls.on_places(places(0, [blocked(0, 11.0), busy(1)]))  # a new stall is a new report
+    assert stalls.check() == "ask"
+
+
+def test_a_finished_nodes_last_wait_does_not_age_into_a_stall():
+    stalls, said, clock = watch(end_after=60.0)
+    stalls.on_places(places(1, [blocked(2, 5.0, call="torch.distributed barrier"), blocked(3, 5.0)]))
+    stalls.node_done({"node": 1, "codes": {"2": 0, "3": 0}})  # its ranks ended; its sampler said no more
+    clock.now += 120.0
+    assert stalls.check() is None and said == []
+
+
+def test_a_busy_rank_inside_a_collective_is_said_once_as_running():
+    stalls, said, clock = watch(can_ask=False)
+    stalls.on_places(places(0, [blocked(0, 12.0), busy(1, at="train.py:9 in step")]))
+    stalls.places[1].call = "torch.distributed all_reduce"
+    stalls.check()
+    assert "rank 1 (node-a): running in torch.distributed all_reduce, called from train.py:9 in step" in said[0]
+
+
 @pytest.mark.parametrize("entry", [
     blocked(0, 500.0, call="torch.distributed init_process_group"),  # the join watch's (--init_timeout)
     {"rank": 0, "state": "blocked", "for_s": 500.0, "at": "train.py:3 in <module>"},  # a sleep, no collective
@@ -189,8 +226,7 @@ for _ in range(3000):  # a healthy loop of collectives: never a stall
     dist.all_reduce(t)
 if dist.get_rank() == 1:
     end = time.time() + 6
-    while time.time() < end:
-        pass  # rank 1 is busy elsewhere; rank 0 waits in the next all_reduce
+    while time.time() < end: pass  # rank 1 is busy elsewhere (one line: one place); rank 0 waits below
 dist.all_reduce(t)
 print("finished", flush=True)
 """
@@ -201,8 +237,7 @@ dist.init_process_group("gloo")
 t = torch.ones(1)
 dist.all_reduce(t)
 if dist.get_rank() == 1:
-    while True:
-        pass
+    while True: pass
 dist.all_reduce(t)
 """
 
@@ -213,7 +248,7 @@ def test_a_stall_is_reported_within_seconds_and_the_job_goes_on(job_dir):
     assert done.code == 0, done.err
     assert ranks_saying(done.out, "finished") == [0, 1]
     assert done.err.count("crew: stall: rank 0 waited up to") == 1
-    assert "crew:   rank 0 (localhost): waiting in torch.distributed all_reduce, called from train.py:11" in done.err
+    assert "crew:   rank 0 (localhost): waiting in torch.distributed all_reduce, called from train.py:10" in done.err
     assert "crew:   rank 1 (localhost): running at train.py:9 in <module>" in done.err
     assert "crew: did not arrive: rank 1 " in done.err
     assert "crew: the stall is over: every rank moved on after" in done.err

@@ -39,7 +39,6 @@ class TaskEnd:
     hosts: tuple[str, ...]
     status: str
     code: int
-    line: str
 
 
 def srun_task_end(line: str) -> TaskEnd | None:
@@ -55,7 +54,7 @@ def srun_task_end(line: str) -> TaskEnd | None:
     exited = _EXITED.fullmatch(status)
     sig = _SIGNALS.get(status)
     code = int(exited[1]) if exited else 128 + sig if sig else 1
-    return TaskEnd(hosts, match[2], code, line.strip())
+    return TaskEnd(hosts, match[2], code)
 
 
 class Holds:

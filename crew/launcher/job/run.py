@@ -83,7 +83,8 @@ class JobRun:
         self._stop_deadline: float | None = None
         self._held_lock = threading.Lock()
         self.hangs = HangWatch(job, launches, console.say, console.info)  # join states, stacks, a hang's report
-        self.stalls = StallWatch(self.hangs.hosts, len(job.nodes), job.stall_watch_s, job.collective_timeout,
+        own_nodes = len({node for launch in launches for node in launch.node_ranks})  # standalone: one
+        self.stalls = StallWatch(self.hangs.hosts, own_nodes, job.stall_report, job.collective_timeout,
                                  self.hangs.stacks_possible, console.say) if job.stall_watch_s else None
 
     def run(self) -> int:
@@ -298,6 +299,8 @@ class JobRun:
             self._fail(1, f"{event['host']}: {event['message']}", host=event["host"])
         elif kind == "done":
             self.done.add(event["node"])
+            if self.stalls:
+                self.stalls.node_done(event)
             self.codes.update({int(rank): _exit_code(code) for rank, code in event["codes"].items()
                                if code is not None})
             self.holds.reported(event["node"])

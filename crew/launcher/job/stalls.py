@@ -74,11 +74,17 @@ class StallWatch:
         if event.get("where"):
             self._answered.add(event["node"])
 
+    def node_done(self, event: dict) -> None:
+        """A node's `done`: its ranks have all ended, whatever its sampler said last."""
+        now = self.clock()
+        for rank, code in event["codes"].items():
+            self.places[int(rank)] = Place("exited", None, None, 0.0, code, now)
+
     # -- the clock -------------------------------------------------------------------------------
 
     def deadline(self) -> float | None:
         """When `check` wants to run next; None while there is nothing to watch."""
-        if not self.report_after or not self.places:
+        if not (self.report_after or self.end_after) or not self.places:
             return None
         return min(self._next_check, self._report_due or self._next_check)
 
@@ -88,21 +94,29 @@ class StallWatch:
         now = self.clock()
         self._next_check = now + CHECK_S
         longest = max(self.waited(now).values(), default=0.0)
-        if self.stalled_since is None:
-            if longest < self.report_after:
-                return None
+        if self.end_after and longest >= self.end_after:
+            return "end"
+        action = None
+        if self.stalled_since is None and self._to_report(longest):
             self.stalled_since, self._answered, self.answers = now - longest, set(), {}
             self._report_due = now + ANSWER_WAIT_S if self.can_ask else now
-            return "ask" if self.can_ask else self.check()
+            action = "ask" if self.can_ask else None
         if self._report_due is not None and (now >= self._report_due or len(self._answered) >= self.nodes):
-            self._report_due, self.reported = None, True
-            self.say(self.report(now))
-        if self.reported and longest < self.report_after:
+            self._report_due = None
+            if self._to_report(longest):
+                self.reported = True
+                self.say(self.report(now))
+            else:  # it cleared while the agents answered: nothing to say
+                self.stalled_since = None
+        elif self.reported and longest < self.report_after:
             self.say(f"the stall is over: every rank moved on after {format_duration(now - self.stalled_since)}.")
             self.stalled_since, self.reported = None, False
-        elif self.end_after and longest >= self.end_after:
-            return "end"
-        return None
+        return action
+
+    def _to_report(self, longest: float) -> bool:
+        """A wait this long is said: past --stall_report, when that comes before --collective_timeout."""
+        before_the_end = not self.end_after or self.report_after < self.end_after
+        return bool(self.report_after) and before_the_end and longest >= self.report_after
 
     def waited(self, now: float) -> dict[int, float]:
         """Each rank blocked in a collective (or backward): how long, as of `now`."""
@@ -133,11 +147,11 @@ class StallWatch:
         if place is None:
             return "no word from its node yet"
         if place.state == "exited":
-            return f"exited (code {place.code})"
+            return "exited" if place.code is None else f"exited (code {place.code})"
         where = stacks.Where(place.call, place.at) if place.at else None
         if rank in waited:
             return stacks.describe(where, "waiting")
         if where is None:
             return f"{place.state}, no stack (not a Python rank, or it did not answer)"
         state = "running" if place.state == "busy" else "blocked"
-        return f"{state} {stacks.describe(where, 'in')}"
+        return stacks.describe(where, state) if where.call else f"{state} at {where.location}"

@@ -140,6 +140,10 @@ def spawn(job: JobSpec, node_rank: int, bindings: list[binding.Binding] | None =
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     pass_fds=() if write_end is None else (write_end,),
                     start_new_session=True, preexec_fn=binding.preexec(bound))
+            except OSError:
+                if read_end is not None:
+                    os.close(read_end)
+                raise
             finally:
                 if write_end is not None:
                     os.close(write_end)  # the rank holds it now

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import select
 import signal
 import threading
@@ -126,21 +127,20 @@ class Sampler:
         self.output, self.node, self.host, self.cwd = output, node, host, cwd
         self.interval, self.every_stack = interval, every_stack
         self.stopped = threading.Event()
-        self._asked = threading.Event()
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()  # "where" (the launcher asks) or "stop"
 
     def ask(self) -> None:
         """The launcher wants every rank's place now (a stall report is being written)."""
-        self._asked.set()
+        self._wake.put("where")
 
     def stop(self) -> None:
         self.stopped.set()
-        self._asked.set()
+        self._wake.put("stop")
 
     def run(self) -> None:
         try:
             while not self.stopped.is_set():
-                asked = self._asked.wait(self.interval)
-                self._asked.clear()
+                asked = self._woken()
                 entries = []
                 for w in self.watched:
                     if self.stopped.is_set():
@@ -152,6 +152,16 @@ class Sampler:
                 if w.rank.stack_pipe is not None:
                     os.close(w.rank.stack_pipe)
                     w.rank.stack_pipe = None
+
+    def _woken(self) -> bool:
+        """Wait for the next look; True when the launcher asked for it (every ask before it is answered)."""
+        try:
+            asked = self._wake.get(timeout=self.interval) == "where"
+        except queue.Empty:
+            return False
+        while not self._wake.empty():
+            asked = self._wake.get() == "where" or asked
+        return asked
 
     def look(self, w: Watched, now: float, want_stack: bool) -> dict:
         entry = {"rank": w.rank.rank}

@@ -27,7 +27,11 @@ _TIMEOUT = re.compile(
     r"|watchdog got stuck|DistStoreError|Socket Timeout|timed out after \d+|Timed out after \d+")
 _LIBRARY = ("/site-packages/", "/dist-packages/", "/lib/python3")
 _DIST = ("/torch/distributed/", "/torch/nn/parallel/")
+# Not collectives: a logging wrapper around them; RPC, and a launcher's agent loop (torchrun, accelerate
+# launch run as a rank), which wait in torch.distributed for reasons of their own.
 _DIST_WRAPPERS = ("/torch/distributed/c10d_logger.py",)
+_NOT_COLLECTIVES = ("/torch/distributed/rpc/", "/torch/distributed/elastic/", "/torch/distributed/launcher/",
+                    "/torch/distributed/run.py")
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,8 @@ def looks_like_collective_timeout(lines: Iterable[str]) -> bool:
 
 def _is_dist(frame: Frame) -> bool:
     path = frame.file.replace("\\", "/")
-    return any(part in path for part in _DIST) and not path.endswith(_DIST_WRAPPERS)
+    return (any(part in path for part in _DIST) and not path.endswith(_DIST_WRAPPERS)
+            and not any(part in path for part in _NOT_COLLECTIVES))
 
 
 def _is_backward(frame: Frame) -> bool:

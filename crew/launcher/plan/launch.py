@@ -171,11 +171,12 @@ def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0,
 
 def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,
                    module: str = runners.AGENT_MODULE, extra: tuple[str, ...] = ()):
-    """How each node's agent (or another crew module, e.g. the doctor's probe) gets started. With
-    --venv_script and no --python, the agent is the `python3` the script puts on the node's PATH."""
+    """How each node's agent (or another crew module, e.g. the doctor's probe) gets started. The agent's
+    Python is this one, at the same path, unless --python names another (as DeepSpeed, --venv_script or
+    not: `--python python3` takes the one the script puts on PATH)."""
     ports = [node.ssh_port for node in launch.plan.nodes]
     venv = launch.venv_script
-    python = args.python or ("python3" if venv else sys.executable)
+    python = args.python or sys.executable
     if launch.launcher == "ssh":
         return runners.ssh_launches(job, python, ports, launch.ssh_args, module, extra, venv=venv)
     if launch.launcher == "pdsh":

@@ -135,8 +135,8 @@ def _run_one(launch, job: JobSpec, timeout: float,
 
 def _lines_of(lines: list[str], host: str, launch) -> list[str]:
     """Under pdsh -N (runners.pdsh_launches) the nodes' stderr lines come unprefixed, so they cannot be told
-    apart: each node gets them all (a node that names itself, as --venv_script's message does, is still
-    told apart); failing any, pdsh's own line on the node ('pdsh@here: host: ssh exited with ...')."""
+    apart: each failed node gets them all (a message that names its node, as --venv_script's does, says
+    whose it is); failing any, pdsh's own line on the node ('pdsh@here: host: ssh exited with ...')."""
     if launch.label != "pdsh":
         return lines
     said = [line for line in lines if not line.startswith("pdsh@")]

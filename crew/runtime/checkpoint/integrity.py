@@ -73,10 +73,15 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def identity(path: Path) -> tuple:
-    """(machine, device, inode, size): the same for every rank that reads this very file."""
+def identity(path: Path, shared: bool = False) -> tuple:
+    """(machine, device, inode, name, size): the same for every rank that reads this very file. The name
+    too: some network filesystems (FUSE, 9p) give different files the same inode number. A `shared` file
+    (a ZeRO 2-3 shard: such a checkpoint is on a filesystem every node shares) is one file for every rank
+    of every node: it is checked once in the whole job."""
     status = path.stat()
-    return _machine(), status.st_dev, status.st_ino, status.st_size
+    if shared:
+        return "shared", 0, 0, path.name, status.st_size
+    return _machine(), status.st_dev, status.st_ino, path.name, status.st_size
 
 
 def share_out(identities: list[tuple]) -> list[bool]:

@@ -10,8 +10,8 @@ import os
 import re
 import shlex
 import shutil
+import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,9 @@ CHECKSUM = "crc32"  # the manifest's "files": {name: {"bytes": n, "crc32": hex}}
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 _RENAME_EXCHANGE = 2
 # Writes this large (tensor storages) are hashed on another core while the kernel copies them: the
-# checksum then costs little more than the write itself where a core is free.
+# checksum then costs little more than the write itself where a core is free. A thread a write, not a
+# pool: a pool's thread is gone in a forked child, and a pool refuses work at interpreter shutdown.
 _OVERLAP_BYTES = 1 << 20
-_HASHER = ThreadPoolExecutor(1, thread_name_prefix="crew-checkpoint-crc32")
 
 
 class Crc32:
@@ -47,6 +47,29 @@ class Crc32:
 
     def hexdigest(self) -> str:
         return f"{self.value:08x}"
+
+
+def _hash_beside(digest: Crc32, data) -> threading.Thread | None:
+    """Hash `data` on another thread while this one writes it (zlib and the write both release the GIL);
+    None when no thread can start (the interpreter is shutting down): then it is hashed here after."""
+    thread = threading.Thread(target=digest.update, args=(data,), name="crew-checkpoint-crc32", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:
+        return None
+    return thread
+
+
+def _join(thread: threading.Thread) -> None:
+    """Wait for the hashing thread even through a Ctrl-C: it reads a buffer that is freed once we return."""
+    interrupted = None
+    while thread.is_alive():
+        try:
+            thread.join()
+        except BaseException as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 class CheckpointError(CrewError):
@@ -74,16 +97,16 @@ class HashingWriter:
 
     def write(self, data) -> int:
         size = memoryview(data).nbytes
-        hashing = _HASHER.submit(self.digest.update, data) if size >= _OVERLAP_BYTES else None
+        beside = _hash_beside(self.digest, data) if size >= _OVERLAP_BYTES else None
         try:
             written = self.handle.write(data)
-        except OSError as exc:
+        except Exception as exc:
             self.error = exc
             raise
         finally:
-            if hashing is not None:
-                hashing.result()  # `data` is valid only during this call
-        if hashing is None:
+            if beside is not None:
+                _join(beside)  # `data` is torch's buffer, valid only during this call
+        if beside is None:
             self.digest.update(data)
         self.size += size
         return written

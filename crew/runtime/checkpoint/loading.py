@@ -93,7 +93,7 @@ def _locate(engine, folder: Path, states: dict, from_latest: bool) -> None:
     sharded = manifest["format"] == SHARDED
     names = [CLIENT_STATE]
     names += [ENGINE_STATE, f"{SHARDED_DIR}/.metadata"] if sharded else model_state_files(manifest)
-    if sharded and not engine.zero.shards_params:  # reads them all; a sharded engine: as DCP reads them
+    if sharded:  # every rank may read a piece of any shard file (replicated tensors are in one of them)
         names += [name for name in manifest.get("files") or {} if name.startswith(f"{SHARDED_DIR}/__")]
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:
@@ -109,7 +109,8 @@ def _locate(engine, folder: Path, states: dict, from_latest: bool) -> None:
             "is not shared between nodes; load with the same ranks on the same hosts, or copy it")
     reads = [folder / name for name in names] + ([rank_file] if same_world else [])
     states.update(manifest=manifest, verifier=Verifier(folder, manifest), reads=reads,
-                  identities=[identity(path) for path in reads], rank_file=rank_file if same_world else None)
+                  identities=[identity(path, shared=path.parent.name == SHARDED_DIR) for path in reads],
+                  rank_file=rank_file if same_world else None)
 
 
 def _verify(states: dict, mine: list[bool]) -> None:

@@ -55,10 +55,11 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
     staging = save_dir / f".{tag}.partial-{token}"
     try:
         _save_staged(engine, save_dir, staging, token, tag, client_state, save_latest)
-    except BaseException:
-        # every rank gets here on a failed save (one error on every rank): each removes its view of
-        # the staging folder, so that a full disk is not left fuller; the previous tag and `latest`
-        # were not touched
+    except CheckpointError:
+        # a failed save is one CheckpointError on every rank, once all have stopped: each removes its
+        # view of the staging folder, so that a full disk is not left fuller; the previous tag and
+        # `latest` were not touched. Anything else (an interrupt, a timeout) may have hit one rank
+        # while another commits: its staging folder is left to the next save (_remove_stale).
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log_rank0("saved checkpoint %s", save_dir / tag)
@@ -88,8 +89,8 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
     comm.barrier()  # every rank's files are on disk before any tag appears
     problem = None
     if part == 0:  # the rank that wrote the shared files commits
-        problem = attempt(_commit, engine, staging, save_dir, tag, save_latest, hosts,
-                          None if sharded else parts, _files_here(staging, every_rank_wrote))
+        problem = attempt(lambda: _commit(engine, staging, save_dir, tag, save_latest, hosts,
+                                          None if sharded else parts, _files_here(staging, every_rank_wrote)))
     agree(problem, what)
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from dist import run_ranks
+
+from crew.runtime.checkpoint import integrity
 from test_checkpoint import dataset, ds_config, make_model
 
 SAVE_AT, END = 3, 6  # 16 samples a step on two ranks, 56 an epoch: the resume crosses an epoch
@@ -104,8 +106,13 @@ def stage_world(rank: int, stage: int, precision: str, folder: str, other_stages
     continued = train(engine, stream, END)
 
     fresh, fresh_stream = build(config)
-    _, client = fresh.load_checkpoint(folder)
-    result = {"saved": saved, "client": client, "continued": continued,
+    hashed, digest = [], integrity.file_digest  # which files this rank checks at load
+    integrity.file_digest = lambda path: hashed.append(path.relative_to(Path(folder)).as_posix()) or digest(path)
+    try:
+        _, client = fresh.load_checkpoint(folder)
+    finally:
+        integrity.file_digest = digest
+    result = {"saved": saved, "client": client, "continued": continued, "hashed": hashed,
               "loaded_precision": fresh.precision.state_dict(), "saved_precision": saved_precision,
               "resumed": train(fresh, fresh_stream, END), "other_stages": {}}
     for other in other_stages:  # the same checkpoint into engines at other stages
@@ -195,11 +202,24 @@ def test_manifest_has_every_files_size_and_crc32_from_every_rank(worlds, stage):
             assert listed[name] == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
 
 
-def test_a_damaged_shard_read_by_one_rank_fails_every_rank(worlds):
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_load_checks_every_file_it_reads_once_in_the_job(worlds, stage):
+    """Stage 3: each rank reads pieces of most shard files (replicated tensors sit in one of them); the
+    shard files are split among the ranks all the same, not hashed whole by every rank."""
+    folder, ranks = worlds[stage]
+    hashed = ranks[0]["hashed"] + ranks[1]["hashed"]
+    assert len(hashed) == len(set(hashed)), hashed
+    tag = f"global_step{SAVE_AT}"
+    listed = json.loads((folder / tag / "crew_checkpoint.json").read_text())["files"]
+    assert sorted(hashed) == sorted(f"{tag}/{name}" for name in listed)
+
+
+def test_a_damaged_shard_fails_every_rank_checked_once_in_the_job(worlds):
     folder, ranks = worlds[3]
     shard = folder / f"global_step{SAVE_AT}" / "sharded" / "__1_0.distcp"
-    for result in ranks:
-        assert f"rank 1: {shard} is damaged: its crc32 differs" in result["damaged_shard_error"]
+    for result in ranks:  # one rank hashed it (the shards are split among all ranks), every rank failed
+        assert "failed on 1 rank(s)" in result["damaged_shard_error"]
+        assert f"{shard} is damaged: its crc32 differs" in result["damaged_shard_error"]
 
 
 def test_fp16_loss_scale_survives_a_stage3_round_trip(worlds):

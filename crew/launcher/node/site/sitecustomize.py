@@ -24,7 +24,20 @@ import time
 GLOO_WORKER = "pt_gloo_runloop"
 IDLE_WAIT_S = 3.0  # at most this long at exit; a worker busy longer is inside a collective that hangs
 _FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238, "riscv64": 98}.get(os.uname().machine)
-_FUTEX_WAIT_BITSET = 9
+
+
+def _idle_ops() -> tuple[int, ...]:
+    """The futex operations of an idle condition-variable wait: FUTEX_WAIT_BITSET since glibc 2.34; before
+    it, plain FUTEX_WAIT, which a mutex wait uses too (two idle looks in a row tell them apart enough)."""
+    try:
+        major, minor = os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2]
+        old = (int(major), int(minor)) < (2, 34)
+    except (ValueError, OSError, IndexError, AttributeError):
+        old = True
+    return (9, 0) if old else (9,)
+
+
+_IDLE_OPS = _idle_ops()
 
 
 def idle_waiting(syscall: str) -> bool:
@@ -38,7 +51,7 @@ def idle_waiting(syscall: str) -> bool:
         op, timeout = int(fields[2], 16), int(fields[4], 16)
     except ValueError:
         return False
-    return op & 0x7F == _FUTEX_WAIT_BITSET and timeout == 0
+    return op & 0x7F in _IDLE_OPS and timeout == 0
 
 
 def busy_gloo_workers(task_dir: str = "/proc/self/task") -> int:
@@ -63,7 +76,7 @@ def busy_gloo_workers(task_dir: str = "/proc/self/task") -> int:
 def wait_for_gloo_workers(limit_s: float = IDLE_WAIT_S) -> float:
     """At exit: sleep (which releases the GIL) until no gloo worker thread is busy, at most `limit_s`.
     Returns the seconds waited. Costs nothing to a process without torch.distributed."""
-    if "torch.distributed" not in sys.modules:
+    if "torch.distributed" not in sys.modules or _FUTEX is None:  # no gloo, or no way to tell: no wait
         return 0.0
     start, idle_looks = time.monotonic(), 0
     while idle_looks < 2 and time.monotonic() - start < limit_s:  # twice: work queued just now is not taken yet
@@ -78,9 +91,12 @@ def _serve_stacks() -> None:
     if not (fd.isdigit() and number.isdigit()):
         return
     import faulthandler
+    import signal
 
     try:
         os.set_inheritable(int(fd), False)  # the rank's own children do not keep the agent's pipe open
+        # what faulthandler puts back at exit: a signal sent just then is ignored, not the default death
+        signal.signal(int(number), signal.SIG_IGN)
         faulthandler.register(int(number), file=int(fd), all_threads=False, chain=False)
     except (OSError, ValueError, RuntimeError):
         pass  # no stacks on request for this rank; the agent sees no handler and does not ask
