@@ -90,10 +90,10 @@ def imports_crew(script: Path) -> bool:
 def check_config(config: str, world_size: int) -> None:
     """Read `config` (from the working directory) and resolve it for `world_size` ranks, as a rank's
     initialize() would; CrewError on a problem."""
-    from crew.runtime.config import Config, ConfigError, _read_json  # pydantic, no torch
+    from crew.runtime.config import Config, ConfigError, read_json  # pydantic, no torch
 
     try:
-        data = _read_json(Path(config))
+        data = read_json(Path(config))
         if any(data.get(key) == "auto" for key in _HF_BATCH_KEYS):  # filled in by the script's own arguments
             data = {k: v for k, v in data.items() if k not in _BATCH_KEYS} | {"train_micro_batch_size_per_gpu": 1}
         with _quiet():

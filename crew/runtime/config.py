@@ -111,7 +111,7 @@ class ActivationCheckpointingConfig(BaseModel):
     def from_config(cls, config: str | os.PathLike | Mapping[str, Any]) -> ActivationCheckpointingConfig:
         """The section of a DeepSpeed config (a dict or a JSON file's path); defaults when absent."""
         source = "<dict>" if isinstance(config, Mapping) else str(config)
-        data = config if isinstance(config, Mapping) else _read_json(Path(config))
+        data = config if isinstance(config, Mapping) else read_json(Path(config))
         section = data.get("activation_checkpointing") or {}
         if not isinstance(section, Mapping):
             raise ConfigError(f"{source}: activation_checkpointing must be an object {{...}}, "
@@ -448,7 +448,7 @@ def load_config(config: str | os.PathLike | Mapping[str, Any] | Config | None = 
     if isinstance(chosen, Mapping):
         return Config.from_dict(chosen, world_size)
     if isinstance(chosen, (str, os.PathLike)):
-        return Config.from_dict(_read_json(Path(chosen)), world_size, source=str(chosen))
+        return Config.from_dict(read_json(Path(chosen)), world_size, source=str(chosen))
     raise ConfigError(f"{argument} must be a path or a dict, got {type(chosen).__name__}.")
 
 
@@ -464,7 +464,7 @@ def _config_from_args(args: Any) -> str | None:
     return legacy
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
