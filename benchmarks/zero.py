@@ -10,20 +10,22 @@ engine at each stage when `import deepspeed` works (a "not installed" row otherw
 Every mode runs in a `crew run --num_gpus 2` job of its own (launched as benchmarks/step.py does), so
 that each process's peak RSS and allocator state are that mode's alone: --warmup steps (DDP rebuilds
 its buckets, FSDP2 initialises lazily, AdamW creates its state), --steps timed steps, then one step
-under torch's memory trackers (torch.distributed._tools): MemTracker for DDP and stages 0-1, told
-about the module and the optimizer that holds the state (at stage 1 ZeroRedundancyOptimizer's inner
-`.optim`); FSDPMemTracker for the FSDP2-sharded stages 2-3. They attribute every tensor storage to a
+under torch's memory trackers (torch.distributed._tools): MemTracker for DDP and stages 0-2, told
+about the module and the optimizer that holds the state (at stages 1-2 ZeroRedundancyOptimizer's inner
+`.optim`); FSDPMemTracker for the FSDP2-sharded stage 3. They attribute every tensor storage to a
 category (parameters, sharded/unsharded; gradients; optimizer state; activations, temporaries,
 all-gather/reduce-scatter buffers) and snapshot the live bytes per category at every module or FSDP
 unit boundary and at the peak; an optimizer step post-hook adds a snapshot right after the optimizer
 step, before the gradients are dropped (there the module is shown to MemTracker again: DDP's bucket
-views were first seen as temporaries, and are labelled gradients from then on). Per rank:
+views, and stage 2's accumulated gradients, were first seen as temporaries, and are labelled gradients
+from then on). Per rank:
 
 * model state: parameters + gradients + optimizer state at the snapshot where their sum is largest
-  (the step's high-water mark: at stage 2 the whole parameters gathered for forward and backward
-  count, at stage 3 the units gathered at that moment), split into its parts, per parameter, and
-  the theory (fp32 Adam, N ranks, crew.runtime.estimate: 16 B/param at stage 0, 4+4+8/N at stage 1, 4+12/N
-  at stage 2, 16/N at stage 3);
+  (the step's high-water mark: at stage 3 the units gathered at that moment count), split into its
+  parts, per parameter, and the theory (fp32 Adam, N ranks, crew.runtime.estimate: 16 B/param at stage
+  0, 4+4+8/N at stage 1, 4+12/N at stage 2 (whole parameters, each rank's own gradients and Adam
+  state), 16/N at stage 3); stage 2's gradient buckets (transient, reduce_bucket_size elements: with
+  DeepSpeed's default 5e8 the whole gradient of this model, during the backward) are in 'tracked peak';
 * tracked after: the same sum right after the optimizer step (persistent state plus gradients);
   tracked peak: every tracked byte at the peak (activations, temporaries, communication buffers too);
 * peak RSS (resource.getrusage ru_maxrss) after set-up and at the end of the job.
@@ -120,11 +122,19 @@ def batches(rank: int, steps: int):
         yield inputs, inputs.mean(dim=1, keepdim=True)
 
 
-def ds_config(stage: int) -> dict:
+# crew-2s: stage 2 with buckets of DDP's size (2^23 fp32 elements, 32 MiB) instead of DeepSpeed's 5e8
+SMALL_BUCKETS = {"reduce_bucket_size": 2**23}
+
+
+def ds_config(stage: int, **zero_keys) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
             "gradient_clipping": CLIP, "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage}}
+            "zero_optimization": {"stage": stage, **zero_keys}}
+
+
+def stage_of(mode: str) -> int:
+    return 0 if mode == "ddp" else int(mode.rsplit("-", 1)[1].rstrip("s"))
 
 
 @dataclass
@@ -132,18 +142,17 @@ class Trainee:
     """One mode, built: its training step and what the memory tracker needs to know about it."""
 
     step: Callable[[torch.Tensor, torch.Tensor], None]
-    module: torch.nn.Module  # the module called (the FSDP2 root at stages 2-3)
+    module: torch.nn.Module  # the module called (the FSDP2 root at stage 3)
     optimizer: torch.optim.Optimizer  # the one stepped (post-step snapshot hook)
     state_holder: torch.optim.Optimizer  # the one holding the state (ZeRO-1: the inner .optim)
     sharded: bool = False  # FSDP2: FSDPMemTracker
 
 
 def build(mode: str) -> Trainee:
-    """'ddp', 'crew-N' or 'deepspeed-N'; joins the process group."""
+    """'ddp', 'crew-N', 'crew-2s' or 'deepspeed-N'; joins the process group."""
     if mode == "ddp":
         return build_ddp()
-    library, stage = mode.rsplit("-", 1)
-    return build_engine(library, int(stage))
+    return build_engine(mode.rsplit("-", 1)[0], stage_of(mode), SMALL_BUCKETS if mode.endswith("s") else {})
 
 
 def build_ddp() -> Trainee:
@@ -158,19 +167,19 @@ def build_ddp() -> Trainee:
     return Trainee(step, model, optimizer, optimizer)
 
 
-def build_engine(library: str, stage: int) -> Trainee:
+def build_engine(library: str, stage: int, zero_keys: dict) -> Trainee:
     """crew's (or DeepSpeed's) engine; at stage 3 the model is built under zero.Init()."""
     deepspeed = importlib.import_module(library)
     with deepspeed.zero.Init(enabled=stage == 3):
         model = make_model()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                   config=ds_config(stage))
+                                                   config=ds_config(stage, **zero_keys))
 
     def step(inputs, targets):
         engine.backward(torch.nn.functional.mse_loss(engine(inputs), targets))
         engine.step()
     holder = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps the state in .optim
-    return Trainee(step, engine.module, optimizer, holder, sharded=library == "crew" and stage >= 2)
+    return Trainee(step, engine.module, optimizer, holder, sharded=library == "crew" and stage == 3)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,7 +345,7 @@ def main() -> None:
         return worker(args.worker, args, Path(args.out))
     started = time.perf_counter()
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None
-    modes = ["ddp"] + [f"crew-{stage}" for stage in STAGES]
+    modes = ["ddp"] + [f"crew-{stage}" for stage in STAGES] + ["crew-2s"]
     modes += [f"deepspeed-{stage}" for stage in STAGES] if has_deepspeed else []
     runs, failures = run_all(modes, args)
     report(modes, runs, failures, has_deepspeed, args, time.perf_counter() - started)
@@ -349,7 +358,7 @@ def main() -> None:
 def theory_bytes(mode: str, num_params: int) -> int:
     from crew.runtime.estimate import model_states_per_rank
 
-    stage = 0 if mode == "ddp" else int(mode.rsplit("-", 1)[1])
+    stage = stage_of(mode)
     row = next(r for r in model_states_per_rank(num_params, RANKS, "fp32") if r.stage == stage and not r.offload)
     return row.device_bytes
 
@@ -401,7 +410,22 @@ def ratio_lines(runs: dict[str, list[list[dict]]]) -> None:
 def time_table(modes: list[str], runs: dict[str, list[list[dict]]], failures: dict[str, str]) -> None:
     from _ddp_baseline import step_time_table
 
-    step_time_table({mode: [run[0]["times"] for run in runs[mode]] for mode in modes}, failures)
+    medians = step_time_table({mode: [run[0]["times"] for run in runs[mode]] for mode in modes}, failures)
+    for mode in ("crew-2", "crew-2s"):
+        if "crew-1" in medians and mode in medians:
+            print(f"{mode} / crew-1 step time: {medians[mode] / medians['crew-1']:.3f}")
+
+
+def stage2_line(runs: dict[str, list[list[dict]]], num_params: int) -> None:
+    """Stage 2's model state per parameter (DeepSpeed 0.19.8 measured 12 bytes on 2 ranks, fp32 Adam)."""
+    for mode in ("crew-2", "crew-2s"):
+        if runs.get(mode):
+            ranks = runs[mode][0]
+            figures = [max(figure(r) for r in ranks) / num_params for figure in
+                       (lambda r: r["state"]["total"], lambda r: r["after_step"], lambda r: r["peak_total"])]
+            print(f"{mode} bytes/param per rank (worst rank): model state high-water {figures[0]:.2f}, after "
+                  f"the step {figures[1]:.2f}, tracked peak {figures[2]:.2f} (theory 4+12/N = {4 + 12 / RANKS:g}; "
+                  "DeepSpeed 0.19.8's stage 2: 12)")
 
 
 LEGEND = """\
@@ -410,7 +434,9 @@ model state = parameters + gradients + optimizer state held by the rank, in the 
   theory = fp32 Adam on 2 ranks (crew.runtime.estimate: 16, 4+4+8/N, 4+12/N, 16/N bytes per parameter);
   tracked after = the same sum right after optimizer.step (gradients still held); tracked peak = every byte the
   tracker saw at its peak (activations, temporaries, communication buffers included);
-  peak RSS = ru_maxrss after set-up (imports, model, wrapping) and at the end of the job"""
+  peak RSS = ru_maxrss after set-up (imports, model, wrapping) and at the end of the job;
+  crew-2 = stage 2 with DeepSpeed's reduce_bucket_size 5e8 (this whole model's gradients wait for one reduction
+  at the end of the backward: they count in the high-water mark), crew-2s = stage 2 with 2^23-element buckets"""
 
 TIMING = """\
 Each mode runs in a job of its own, as a user's would. Stepping all modes in turn in one job (benchmarks/step.py's
@@ -439,6 +465,7 @@ def report(modes, runs, failures, has_deepspeed: bool, args, wall_s: float) -> N
               "second copy of the gradients\n  (gradient_as_bucket_view=False), counted in 'tracked peak' only; "
               "crew's stages 0-1 make the buckets the gradients")
     ratio_lines(runs)
+    stage2_line(runs, num_params)
     print()
     print(f"Step time (rank 0): median of {args.steps} steps after {args.warmup} warm-up step(s), in each of "
           f"{args.repeat} run(s) per mode, pooled")

@@ -6,10 +6,11 @@ every rank a few seconds after the start. Only what would surely fail in the ran
 
 - The script must be in the working directory (ranks start in the same folder on every node). Over
   ssh, pdsh and Slurm the nodes may have code this machine lacks: --skip_preflight leaves them to judge.
-- `--deepspeed_config FILE` among the script's arguments is read and resolved with crew's own config
-  reader (`Config.from_dict` at the job's world size), as each rank's `initialize(args=args)` would, but
-  only where the ranks run crew's engine: under --as_deepspeed, or for a script that imports crew and
-  not deepspeed (DeepSpeed's own engine reads hjson and may divide the world by model parallelism).
+- `--deepspeed_config FILE` (or Hugging Face's `--deepspeed FILE.json`) among the script's arguments is
+  read and resolved with crew's own config reader (`Config.from_dict` at the job's world size), as each
+  rank's `initialize(args=args)` would, but only where the ranks run crew's engine: under --as_deepspeed,
+  or for a script that imports crew and not deepspeed (DeepSpeed's own engine reads hjson and may divide
+  the world by model parallelism).
   Batch keys set to "auto" (a Hugging Face integration fills them from its own arguments) leave the
   batch arithmetic to the ranks. The config's warnings (unknown keys, "auto" values) are not said here:
   the ranks say them, when they apply.
@@ -29,6 +30,7 @@ from crew.errors import CrewError
 
 REMOTE_LAUNCHERS = ("ssh", "pdsh", "slurm")  # the nodes may have what this machine lacks
 CONFIG_FLAG = "--deepspeed_config"
+HF_FLAG = "--deepspeed"  # transformers' TrainingArguments: --deepspeed ds_config.json
 _HF_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _BATCH_KEYS = (*_HF_BATCH_KEYS, "train_micro_batch_size_per_rank")
 _IMPORTS = re.compile(r"^\s*(?:import|from)\s+(crew|deepspeed)\b", re.MULTILINE)
@@ -67,13 +69,19 @@ def missing_script(script: str) -> str | None:
 
 
 def config_argument(script_args: list[str]) -> str | None:
-    """The FILE of `--deepspeed_config FILE` (or `=FILE`) in the script's arguments; the last one wins,
-    as in argparse."""
+    """The FILE of `--deepspeed_config FILE` (or `=FILE`) in the script's arguments, or of Hugging Face's
+    `--deepspeed FILE.json` (TrainingArguments; DeepSpeed's own --deepspeed is a switch); the last one
+    wins, as in argparse."""
     found = None
     for index, arg in enumerate(script_args):
-        if arg == CONFIG_FLAG and index + 1 < len(script_args):
-            found = script_args[index + 1]
+        following = script_args[index + 1] if index + 1 < len(script_args) else ""
+        if arg == CONFIG_FLAG and following:
+            found = following
         elif arg.startswith(CONFIG_FLAG + "="):
+            found = arg.split("=", 1)[1]
+        elif arg == HF_FLAG and following.endswith(".json"):
+            found = following
+        elif arg.startswith(HF_FLAG + "=") and arg.endswith(".json"):
             found = arg.split("=", 1)[1]
     return found or None
 

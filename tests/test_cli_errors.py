@@ -183,3 +183,7 @@ def test_the_config_argument_in_either_spelling_the_last_one_wins():
     assert precheck.config_argument(["--deepspeed_config", "a.json", "--x"]) == "a.json"
     assert precheck.config_argument(["--deepspeed_config=a.json", "--deepspeed_config", "b.json"]) == "b.json"
     assert precheck.config_argument(["--deepspeed", "--deepspeed_config"]) is None
+    # Hugging Face's TrainingArguments take the config as --deepspeed FILE; DeepSpeed's --deepspeed is a switch
+    assert precheck.config_argument(["--deepspeed", "ds_z2.json", "--output_dir", "out"]) == "ds_z2.json"
+    assert precheck.config_argument(["--deepspeed=ds.json"]) == "ds.json"
+    assert precheck.config_argument(["--deepspeed", "--lr", "0.1", "data.txt"]) is None

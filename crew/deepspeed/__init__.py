@@ -18,7 +18,11 @@ from crew.runtime import comm, zero
 from crew.runtime.api import add_config_arguments, initialize
 from crew.runtime.comm import init_distributed
 
-__version__ = f"{_crew_version}+crew"  # crew's version, marked: this is not DeepSpeed
+# The DeepSpeed API crew serves, with crew's own version as the local label: passes the HF libraries' version
+# gates (deepspeed>=0.9.3, ...) and says it is crew. The same string is the shim's distribution record
+# (shim/deepspeed-<version>.dist-info), which importlib.metadata reads before `import deepspeed`.
+DEEPSPEED_API_VERSION = "0.19.8"
+__version__ = f"{DEEPSPEED_API_VERSION}+crew.{_crew_version}"
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 __all__ = ["ConfigError", "CrewError", "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine",

@@ -21,9 +21,14 @@ UNSUPPORTED = {
     "sequence": "sequence parallelism",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine",
     "sparse_attention": "sparse attention (removed from DeepSpeed 0.19 too)",
+    "launcher": "DeepSpeed's launcher: `crew run` starts the job",
+    "checkpoint": "DeepSpeed's checkpoint files and their reshaping, which crew's checkpoints do not use",
+    "lamb": "DeepSpeed's FusedLamb CUDA kernel",
+    "groups": "DeepSpeed's model/sequence/expert-parallel groups",
+    "tp_model_init": "tensor parallelism, AutoTP",
 }
 _WHAT_CREW_DOES = ("crew runs data-parallel training with ZeRO stages 0-3 (its README's section "
-                   "\"DeepSpeed scripts unchanged\" lists what it provides)")
+                   "\"The engine: import deepspeed under crew run --as_deepspeed\" lists what it provides)")
 
 
 class UnsupportedAttribute(CrewError, AttributeError):

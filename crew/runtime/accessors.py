@@ -60,20 +60,20 @@ class DeepSpeedAccessors:
     # -- precision and ZeRO -----------------------------------------------------------------------
 
     def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
+        return self.crew_config.fp16.enabled
 
     def fp16_auto_cast(self) -> bool:
         """fp16.auto_cast: forward() casts floating-point positional inputs to fp16."""
-        return self.config.fp16.auto_cast
+        return self.crew_config.fp16.auto_cast
 
     def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
+        return self.crew_config.bf16.enabled
 
     def zero_optimization(self) -> bool:
         return self.zero_optimization_stage() > 0
 
     def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
+        return self.crew_config.zero_optimization.stage
 
     def zero_optimization_partition_gradients(self) -> bool:
         return self.zero_optimization_stage() >= 2
@@ -83,25 +83,25 @@ class DeepSpeedAccessors:
 
     def dynamic_loss_scale(self) -> bool:
         """fp16.loss_scale == 0, as DeepSpeed (True by default, even with fp16 off)."""
-        return self.config.fp16.loss_scale == 0
+        return self.crew_config.fp16.loss_scale == 0
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """(model dtype, gradient accumulation dtype): data_types.grad_accum_dtype when the config
         gives one, else the model dtype."""
         model_dtype = torch.float16 if self.fp16_enabled() else \
             torch.bfloat16 if self.bfloat16_enabled() else torch.float32
-        section = self.config.raw.get("data_types") or {}
+        section = self.crew_config.raw.get("data_types") or {}
         accum = section.get("grad_accum_dtype") if isinstance(section, dict) else None
         return model_dtype, (model_dtype if accum is None else _dtype(accum, "data_types.grad_accum_dtype"))
 
     @property
     def communication_data_type(self) -> torch.dtype:
         """The config's communication_data_type, else fp16/bf16 when enabled, else float32.
-        (crew reduces fp16/bf16 gradients in their own dtype at stages 0-1 and in fp32 at 2-3,
+        (crew reduces fp16/bf16 gradients in their own dtype at stages 0-2 and in fp32 at 3,
         whatever this says.)"""
         if self._communication_data_type is not None:
             return self._communication_data_type
-        given = self.config.raw.get("communication_data_type")
+        given = self.crew_config.raw.get("communication_data_type")
         if given is not None:
             return _dtype(given, "communication_data_type")
         if self.fp16_enabled():
@@ -117,29 +117,41 @@ class DeepSpeedAccessors:
     @property
     def _config(self) -> DeepSpeedConfig:
         """DeepSpeed's config object for this engine's config (DeepSpeed keeps one as `_config`)."""
-        return DeepSpeedConfig(self.config)
+        return DeepSpeedConfig(self.crew_config)
 
     def gradient_clipping(self) -> float:
         """Max gradient norm; 0 = off. crew's default is 1.0, as DeepSpeed 0.19."""
-        return self.config.gradient_clipping
+        return self.crew_config.gradient_clipping
 
     def steps_per_print(self) -> int:
         """crew's default is 10 (DeepSpeed 0.19's is None)."""
-        return self.config.steps_per_print
+        return self.crew_config.steps_per_print
 
     def dataloader_drop_last(self) -> bool:
-        return self.config.dataloader_drop_last
+        return self.crew_config.dataloader_drop_last
 
     def wall_clock_breakdown(self) -> bool:
         """The config's value (crew does not time forward/backward/step: listed as no effect)."""
-        return self.config.wall_clock_breakdown
+        return self.crew_config.wall_clock_breakdown
 
     def memory_breakdown(self) -> bool:
-        return bool(self.config.raw.get("memory_breakdown", False))
+        return bool(self.crew_config.raw.get("memory_breakdown", False))
 
+    @property
     def is_compiled(self) -> bool:
-        """False: crew does not compile the module (DeepSpeed's engine.compile() is not provided)."""
-        return False
+        """Whether engine.compile() compiled the module (a property, as in DeepSpeed 0.19)."""
+        return self.__dict__.get("_is_compiled", False)
+
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's engine.compile: torch.compile the module in place (nn.Module.compile); once."""
+        if schedule is not None:
+            raise CrewError("engine.compile(schedule=...) is DeepCompile's; crew compiles with torch.compile "
+                            "only. Drop schedule=.")
+        if self.is_compiled:
+            return
+        self.module.compile(**{**(compile_kwargs or {}), "backend": backend})
+        self.__dict__["_is_compiled"] = True
 
     def empty_partition_cache(self) -> None:
         """Release cached device memory (DeepSpeed frees offloaded ZeRO-3 parameters' buffers)."""
@@ -153,11 +165,11 @@ class DeepSpeedAccessors:
         client callable it is the class of the optimizer it built (DeepSpeed says 'function')."""
         if self._client_optimizer_name is not None:
             return self._client_optimizer_name
-        section = self.config.optimizer
+        section = self.crew_config.optimizer
         return deepspeed_optimizer_name(section.type) if section is not None else None
 
     def scheduler_name(self) -> str | None:
-        section = self.config.scheduler
+        section = self.crew_config.scheduler
         return section.type if section is not None else None
 
     def get_mom(self) -> list:
@@ -195,8 +207,11 @@ class DeepSpeedAccessors:
     def _clip_and_record_norm(self, params: list[torch.Tensor]) -> None:
         """Clip to gradient_clipping (when > 0) and keep the norm before clipping. The norm stays a
         tensor until get_global_grad_norm() asks: no device sync on the step."""
-        max_norm = self.config.gradient_clipping
-        if max_norm > 0:
+        max_norm = self.crew_config.gradient_clipping
+        if self.zero.partitioned and self.world_size > 1:  # each rank holds its own part; summed across ranks
+            from crew.runtime.zero_stage2 import clip_across_ranks
+            norm = clip_across_ranks(params, max_norm, self.device)
+        elif max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
@@ -227,7 +242,7 @@ class DeepSpeedAccessors:
             stage = self.zero_optimization_stage()
             raise CrewError(
                 f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
-                f"stage {stage}: stage {stage} reduce-scatters gradients on every backward. Call "
+                f"stage {stage}: stage {stage} reduces gradients on every backward. Call "
                 f"backward() without no_sync (accumulation is handled by gradient_accumulation_steps), "
                 f"or use zero_optimization.stage 0 or 1.")
         if self._in_no_sync:
@@ -248,7 +263,7 @@ class DeepSpeedAccessors:
         """Change the global batch by changing gradient_accumulation_steps (the micro batch stays);
         it must be a multiple of micro batch x world size. The loader is not changed (as DeepSpeed)."""
         self._refuse_per_rank("set_train_batch_size")
-        micro = self.config.train_micro_batch_size_per_gpu
+        micro = self.crew_config.train_micro_batch_size_per_gpu
         per_step = micro * self.world_size
         if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or \
                 train_batch_size < 1 or train_batch_size % per_step:
@@ -272,21 +287,21 @@ class DeepSpeedAccessors:
             train_batch_size=micro_batch_size * self.gradient_accumulation_steps() * self.world_size)
 
     def _refuse_per_rank(self, what: str) -> None:
-        if self.config.train_micro_batch_size_per_rank is not None:
+        if self.crew_config.train_micro_batch_size_per_rank is not None:
             raise ConfigError(
                 f"{what}() needs one micro batch for every rank, but this config sets "
-                f"train_micro_batch_size_per_rank {list(self.config.train_micro_batch_size_per_rank)}; "
+                f"train_micro_batch_size_per_rank {list(self.crew_config.train_micro_batch_size_per_rank)}; "
                 "change the sizes in the config instead, or use train_micro_batch_size_per_gpu.")
 
     def _update_batch(self, **values: int) -> None:
         # Config is frozen and its `raw` is the user's dict as given: a copy with new values.
-        self.config = self.config.model_copy(update=values)
+        self.crew_config = self.crew_config.model_copy(update=values)
 
     # -- state and teardown -----------------------------------------------------------------------
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict:
-        """The module's state dict (in the training dtype). At ZeRO stages 2-3 the full tensors are
+        """The module's state dict (in the training dtype). At ZeRO stage 3 the full tensors are
         gathered from the shards on every rank: a collective, every rank must call it."""
         if not self.zero.shards_params:
             state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)

@@ -29,6 +29,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     resolved = load_config(config, world_size=comm.get_world_size(), args=args,
                            config_params=config_params)
     engine = Engine(model, resolved, optimizer, model_parameters, lr_scheduler)
+    given = config if config is not None else config_params
+    # DeepSpeed's engine.config: the caller's dict itself, or the file's as loaded
+    engine.config = given if isinstance(given, dict) else resolved.raw
     loader = None
     if training_data is not None:
         on_gpu = engine.device.type == "cuda"  # DeepSpeed's loader: pinned, 2 workers per GPU

@@ -10,14 +10,16 @@ the update the mean over every sample of the global batch: what one process taki
 computes.
 
 "auto" times each rank's forward and backward up to the moment its gradients are ready, before it
-waits for the others (the last DDP bucket's hook, or the end of a no_sync backward). Every WINDOW
+waits for the others (the last DDP bucket's hook, at ZeRO stage 2 the last bucket's launch, or the
+end of a no_sync backward). Every WINDOW
 optimizer steps the ranks pool their median seconds per sample and move to the split that minimises
 the slowest rank's predicted time, when that is more than TOLERANCE faster than the current one in
 two windows running (one noisy window moves nothing; the first decision needs one). The window after
 a move checks it: when the slowest rank's step did not get at least half the predicted gain (noise,
 or fixed costs per step that the per-sample model does not see) the window doubles, so moves that do
 not pay grow rare.
-Timing needs DDP's gradient hooks, so "auto" runs at ZeRO stages 0-1; stages 2-3 take sizes by hand.
+Timing needs gradient hooks (DDP's, or stage 2's own), so "auto" runs at ZeRO stages 0-2; stage 3
+(FSDP2) takes sizes by hand.
 """
 
 from __future__ import annotations
@@ -94,16 +96,24 @@ class Balancer:
 
     # -- timing: forward start -> gradients ready ------------------------------------------------
 
-    def watch(self, ddp) -> None:
-        """Mark the moment each gradient bucket is ready, then all-reduce it as DDP would."""
-        if not self.auto or ddp is None:
+    def watch(self, hooks) -> None:
+        """Mark the moment each gradient bucket is ready: `hooks` is DDP (stages 0-1; the bucket is
+        then all-reduced as DDP would) or stage 2's GradientPartition."""
+        if not self.auto or hooks is None:
             return
+        if not isinstance(hooks, torch.nn.parallel.DistributedDataParallel):
+            hooks.on_ready = self._mark_ready
+            return
+        ddp = hooks
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def hook(state, bucket):
             self._ready = self._clock.mark()
             return allreduce_hook(state, bucket)
         ddp.register_comm_hook(None, hook)
+
+    def _mark_ready(self) -> None:
+        self._ready = self._clock.mark()
 
     def forward_started(self) -> None:
         """The first training forward since the last backward (an eval forward under no_grad is not timed)."""
@@ -202,9 +212,9 @@ def make(config, rank: int, device: torch.device, zero_stage: int) -> Balancer |
     """The engine's Balancer, or None when the config splits batches evenly (DeepSpeed's way)."""
     if config.train_micro_batch_size_per_rank is None:
         return None
-    if config.auto_balance and zero_stage >= 2 and config.world_size > 1:
+    if config.auto_balance and zero_stage == 3 and config.world_size > 1:
         raise ConfigError(
-            f"{config.source}: {PER_RANK_KEY} \"auto\" needs ZeRO stage 0 or 1 (it times each rank "
-            f"through DDP's gradient hooks; stage {zero_stage} shards with FSDP). Set the sizes by hand, e.g. "
-            f"{list(config.train_micro_batch_size_per_rank)}, or use zero_optimization.stage 1.")
+            f"{config.source}: {PER_RANK_KEY} \"auto\" needs ZeRO stage 0, 1 or 2 (it times each rank "
+            f"through the gradient hooks; stage 3 shards with FSDP2). Set the sizes by hand, e.g. "
+            f"{list(config.train_micro_batch_size_per_rank)}, or use zero_optimization.stage 2.")
     return Balancer(config.train_micro_batch_size_per_rank, config.auto_balance, rank, device)

@@ -17,8 +17,19 @@ from crew.errors import CrewError
 from crew.log import log_rank0
 
 ReduceOp = dist.ReduceOp
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _default_timeout() -> datetime.timedelta:
+    """DeepSpeed's default_pg_timeout: DEEPSPEED_TIMEOUT minutes; unset, torch's 30 (DeepSpeed's is 10)."""
+    value = os.environ.get("DEEPSPEED_TIMEOUT", "30")
+    try:
+        return datetime.timedelta(minutes=int(value))
+    except ValueError:
+        raise CrewError(f"DEEPSPEED_TIMEOUT={value!r}: expected whole minutes, e.g. DEEPSPEED_TIMEOUT=30.") from None
+
+
+DEFAULT_TIMEOUT = _default_timeout()
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
@@ -26,26 +37,36 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      timeout: datetime.timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
                      dist_init_required: bool | None = None, config=None, rank: int = -1,
                      world_size: int = -1) -> None:
-    """Join the default process group (DeepSpeed's signature); a no-op when already joined."""
-    if dist.is_initialized() or dist_init_required is False:
+    """Join the default process group (DeepSpeed's signature); a no-op when already joined.
+
+    The group comes from the launcher's environment, or from init_method (with rank and world_size, as
+    torch takes them); with neither, a world of one. dist_backend None: NCCL on a GPU, else gloo.
+    auto_mpi_discovery, distributed_port (MPI discovery) and config (comms logging) are not used.
+    """
+    if dist.is_initialized():
         return
-    if rank >= 0:
-        os.environ["RANK"] = str(rank)
-    if world_size > 0:
-        os.environ["WORLD_SIZE"] = str(world_size)
+    if dist_init_required is False:
+        raise CrewError("init_distributed(dist_init_required=False) found no process group. Create it first "
+                        "(torch.distributed.init_process_group), or leave dist_init_required out and crew "
+                        "creates it.")
+    if not isinstance(timeout, datetime.timedelta):
+        raise CrewError(f"init_distributed(timeout={timeout!r}): expected a datetime.timedelta, e.g. "
+                        "timedelta(minutes=30).")
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(get_local_rank())
-    if not _launched():
+    if init_method is None and world_size in (-1, 1) and not _launched():
         # Plain `python train.py`: a world of one, in memory; no port, no environment changes.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
     if verbose:
-        log_rank0("initializing %s process group: rank %s of %s, master %s:%s", backend,
-                  os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"],
-                  os.environ["MASTER_PORT"])
-    dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+        log_rank0("initializing %s process group: rank %s of %s, %s", backend,
+                  rank if rank >= 0 else os.environ.get("RANK"),
+                  world_size if world_size > 0 else os.environ.get("WORLD_SIZE"),
+                  init_method or f"master {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
+    dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank,
+                            world_size=world_size)
 
 
 def _launched() -> bool:

@@ -23,6 +23,7 @@ import copy
 import difflib
 import json
 import logging
+import math
 import os
 import sys
 import warnings
@@ -30,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from crew.errors import ConfigError
 from crew.runtime.batch import PER_RANK_KEY, BatchSizeError, resolve_batch_sizes, resolve_per_rank
@@ -165,7 +166,8 @@ class Config(BaseModel):
                                                                     "micro batch; None = DeepSpeed's even split.")
     auto_balance: bool = Field(False, description="train_micro_batch_size_per_rank was \"auto\".")
     # DeepSpeed 0.19 defaults to None (never print); crew keeps 10, the documented DeepSpeed default.
-    steps_per_print: int = Field(10, ge=1, description="Log progress every N optimizer steps.")
+    # Infinity (what Accelerate writes, "steps_per_print": float("inf")) or null never prints, as in DeepSpeed
+    steps_per_print: float = Field(10, ge=1, description="Log progress every N optimizer steps.")
     gradient_clipping: float = Field(1.0, ge=0, allow_inf_nan=False, description="Max grad norm; 0 = off.")
     prescale_gradients: bool = Field(False, description="Scale gradients before the all-reduce.")
     gradient_predivide_factor: float = Field(1.0, gt=0, description="Divide gradients by this before reducing.")
@@ -189,6 +191,20 @@ class Config(BaseModel):
     world_size: int = Field(gt=0, description="Data-parallel ranks the batch triple was resolved for.")
     source: str = Field(description="Where the config came from (a path or '<dict>'), for messages.")
     raw: dict[str, Any] = Field(description="Deep copy of the user's dict, as given.")
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _null_is_never(cls, value: Any) -> Any:
+        return math.inf if value is None else value  # DeepSpeed 0.19: None, never print
+
+    @field_validator("steps_per_print")
+    @classmethod
+    def _whole_or_infinity(cls, value: float) -> int | float:
+        if value == math.inf:
+            return value
+        if not float(value).is_integer():
+            raise ValueError(f"steps_per_print {value}: expected an integer (or Infinity: never print)")
+        return int(value)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -7,8 +7,10 @@
 
 At ZeRO stages 0-1 gradients are averaged across ranks by DistributedDataParallel's bucketed
 all-reduce, which runs during the boundary micro step's backward; non-boundary micro steps skip it
-(DDP `no_sync`). Stage 1 steps the optimizer through ZeroRedundancyOptimizer; stages 2-3 shard the
-model with FSDP2, which reduce-scatters on every micro step (crew/runtime/zero.py).
+(DDP `no_sync`). Stage 1 steps the optimizer through ZeroRedundancyOptimizer. Stage 2 keeps whole
+parameters too, and averages each micro step's gradients into the rank that owns each parameter
+(hooks, crew/runtime/zero_stage2.py); stage 3 shards the model with FSDP2, which reduce-scatters on
+every micro step (crew/runtime/zero.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from crew.runtime.monitor import Monitor, step_events
 from crew.runtime.optim import build_optimizer, build_scheduler
 from crew.runtime.precision import Precision, make_precision
 from crew.runtime.progress import show_step
+from crew.runtime.zero_stage2 import chunks
 
 @atexit.register
 def _release_process_group() -> None:
@@ -47,28 +50,30 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
     def __init__(self, model: torch.nn.Module, config: Config, optimizer=None,
                  model_parameters=None, lr_scheduler=None):
         super().__init__()
-        self.config = config
+        self.crew_config = config
         self._init_accessors(optimizer)
         self.global_rank = comm.get_rank()
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
         self.device = _device(self.local_rank)
         self.zero = zero.Zero(config.zero_optimization, self.world_size, self.device)
-        self.precision: Precision = make_precision(config.fp16, config.bf16,
-                                                   sharded=self.zero.shards_params)
+        self.precision: Precision = make_precision(config.fp16, config.bf16, sharded=self.zero.shards_params,
+                                                   offload=self.zero.offload_optimizer)
         self.balancer = balance.make(config, self.global_rank, self.device, self.zero.stage)
         self.module, replaced = self._place(model)
         self._ddp = self.zero.wrap_ddp(model)
-        if self.balancer is not None:
-            self.balancer.watch(self._ddp)
         built = self._optimizer(optimizer, model_parameters, replaced)
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             self._client_optimizer_name = type(built).__name__
-        self.optimizer = self.zero.shard_optimizer(built)
-        self.lr_scheduler = self._scheduler(lr_scheduler)
+        self.optimizer = self.zero.shard_optimizer(built, self.precision) if built is not None else None
+        if self.balancer is not None:  # after the optimizer: at stage 2 it owns the gradient hooks
+            self.balancer.watch(self._ddp if self._ddp is not None else self.zero.grads)
+        self.lr_scheduler = self._scheduler(lr_scheduler) if built is not None else None
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
+        self._armed_sync = True  # whether the last forward through DDP armed its gradient all-reduce
+        self.grads_pending = False  # a backward since the last optimizer step or zero_grad
         self.training_dataloader = None
         self._loss_sum: torch.Tensor | None = None
         self._last_print = (time.perf_counter(), 0, 0)
@@ -78,10 +83,23 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         weakref.finalize(self, self.monitor.close)
         registry.register(self)
 
+    def __getattr__(self, name: str):
+        """As DeepSpeed's engine: what the engine does not have is looked up on the user's model."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and not name.startswith("__"):
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+
     # -- set-up -------------------------------------------------------------------------------
 
     def _place(self, model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
-        """Cast and move (stages 0-1) or shard (stages 2-3) the model; a model built under
+        """Cast and move (stages 0-2) or shard (stage 3) the model; a model built under
         zero.Init is materialised here. Returns it and {id(param before): param after}."""
         if self.zero.shards_params:
             if not zero.is_deferred(model):
@@ -93,10 +111,10 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         return model.to(self.device), replaced
 
     def _optimizer(self, client, model_parameters, replaced: dict) -> torch.optim.Optimizer:
-        section = self.config.optimizer
+        section = self.crew_config.optimizer
         if client is not None and section is not None:
             raise ConfigError(
-                f"{self.config.source}: an optimizer is given both to initialize(optimizer=...) and "
+                f"{self.crew_config.source}: an optimizer is given both to initialize(optimizer=...) and "
                 "in the config's 'optimizer' section. Keep one of them.")
         groups = _param_groups(model_parameters, self.module, replaced)
         if isinstance(client, torch.optim.Optimizer):
@@ -109,16 +127,14 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         if callable(client):
             return client(masters)
         if section is None:
-            raise ConfigError(
-                f"{self.config.source}: no optimizer. Add an 'optimizer' section (e.g. "
-                '{"type": "AdamW", "params": {"lr": 1e-3}}) or pass initialize(optimizer=...).')
+            return None  # a model-only engine (evaluation, as DeepSpeed's); step() says what is missing
         return build_optimizer(section.type, section.params, masters)
 
     def _scheduler(self, client):
         if client is not None:
             return client(self.optimizer) if callable(client) and not hasattr(client, "step") \
                 else client
-        section = self.config.scheduler
+        section = self.crew_config.scheduler
         return build_scheduler(section.type, section.params, self.optimizer) if section else None
 
     # -- the step -----------------------------------------------------------------------------
@@ -132,7 +148,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             if self._ddp is None:
                 return self.module(*args, **kwargs)
             # DDP's no_sync, across two calls: arm the all-reduce only for the boundary's backward.
-            self._ddp.require_backward_grad_sync = self._sync_this_backward()
+            self._ddp.require_backward_grad_sync = self._armed_sync = self._sync_this_backward()
             return self._ddp(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -143,10 +159,15 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         # unequal micro batches: weight each rank by its samples, so the average is over samples
         weighted = loss if self.balancer is None else loss * self.balancer.grad_weight()
-        with self.precision.guard():
+        with self.precision.guard(), self.zero.reducing(self.is_gradient_accumulation_boundary()):
             self.precision.scale_loss(weighted).backward(retain_graph=retain_graph)
+        if self._ddp is not None and not self._armed_sync and self._sync_this_backward():
+            # the boundary was set after the forward (Accelerate sets it just before backward): DDP did
+            # not reduce during this backward, so reduce now, as DeepSpeed does at stage 0-1 after it
+            _average_grads(self.module.parameters())
         if self.balancer is not None:
             self.balancer.backward_done()
+        self.grads_pending = True
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -158,6 +179,11 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        if self.optimizer is None:
+            raise ConfigError(
+                f"{self.crew_config.source}: engine.step() needs an optimizer, and this engine has none. Add an "
+                '\'optimizer\' section (e.g. {"type": "AdamW", "params": {"lr": 1e-3}}) or pass '
+                "initialize(optimizer=...).")
         overflow = self.precision.unscale_grads()
         if not overflow:
             self._clip_and_record_norm(_flat(self.optimizer.param_groups))  # norm before clipping
@@ -177,7 +203,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.global_samples += self.train_batch_size()
         if self.monitor.enabled:
             self._record_step()
-        if self.global_steps % self.config.steps_per_print == 0:
+        if self.global_steps % self.crew_config.steps_per_print == 0:
             self._print_progress()
             self.monitor.flush()
         self._loss_sum = None
@@ -193,7 +219,9 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
                                         sizes))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.grads_pending = False
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
         self.precision.zero_model_grads()
 
     def _print_progress(self) -> None:
@@ -209,19 +237,19 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
     # -- DeepSpeed's accessors (the rest: crew/runtime/accessors.py) ---------------------------
 
     def train_batch_size(self) -> int:
-        return self.config.train_batch_size
+        return self.crew_config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
         """This rank's micro batch (with train_micro_batch_size_per_rank, its current share)."""
         if self.balancer is not None:
             return self.balancer.micro_batch
-        return self.config.train_micro_batch_size_per_gpu
+        return self.crew_config.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self.crew_config.gradient_accumulation_steps
 
     def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
     @property
     def skipped_steps(self) -> int:
@@ -233,16 +261,19 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
 
     # -- checkpoints (crew/runtime/checkpoint/) -----------------------------------------------------
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
         self.monitor.flush()  # what a resumed run appends to starts where this one's events end
-        return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
-        """(path, client_state) of the checkpoint loaded, or (None, None) when there is none."""
+                        load_module_only: bool = False, custom_load_fn=None):
+        """(path, client_state) of the checkpoint loaded, or (None, None) when there is none.
+        custom_load_fn(src=state_dict, dst=module), when given, loads the module's weights instead of
+        module.load_state_dict (stages 0-2, as DeepSpeed)."""
         return checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+                               load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -262,6 +293,22 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         if batches_per_epoch is not None:
             line += f"; {batches_per_epoch // self.gradient_accumulation_steps()} steps per epoch"
         log_rank0("%s", line)
+
+
+def _average_grads(params: Iterable[torch.Tensor], bucket_elements: int = 1 << 24) -> None:
+    """All-reduce (average) every gradient across ranks, in flat buckets of one dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+    for grads in by_dtype.values():
+        for bucket in chunks(grads, bucket_elements):
+            flat = torch.cat([grad.reshape(-1) for grad in bucket])
+            comm.all_reduce(flat, op=comm.ReduceOp.AVG)
+            offset = 0
+            for grad in bucket:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
 
 def _device(local_rank: int) -> torch.device:

@@ -10,13 +10,17 @@ The memory model (Adam, as in the ZeRO paper, Rajbhandari et al. 2020, section 3
 
 Stage 0 keeps a full copy of everything on each rank. Stage 1 shards the optimizer state over the
 world size, stage 2 also the gradients, stage 3 also the parameters. A shard rounds up, as ZeRO pads
-its partitions to a multiple of the world size.
+its partitions to a multiple of the world size. crew's stages follow this: at stage 2 every rank keeps
+every parameter whole and only its own parameters' gradients, fp32 masters and Adam state, as in
+DeepSpeed (its gradient buckets are transient and not counted, see below). One difference: crew's
+stage 1 under fp16/bf16 keeps the fp32 master weights whole on every rank (4 bytes per parameter more
+than the stage-1 rows say).
 
 Offload is DeepSpeed's `offload_optimizer: {device: cpu}` for stages 1-3: the optimizer state (and
 the fp32 master weights with it) lives in CPU memory; at stage 3 `offload_param` moves the parameter
 shards there too. Offloaded parts count in `cpu_bytes` (per rank: a node needs that times its ranks)
 instead of `device_bytes`. Gradients stay counted on the device. DeepSpeed has no offload without
-ZeRO, so stage 0 has no offload row.
+ZeRO, so stage 0 has no offload row; crew itself offloads at stage 3 only (FSDP2's CPUOffloadPolicy).
 
 Not included: activations, buffers (e.g. batch-norm statistics), temporary all-gather and bucket
 buffers, the CUDA context and allocator fragmentation. Leave headroom for those (`crew estimate

@@ -21,19 +21,17 @@ step for step: the scale starts at 2**initial_scale_power; an overflow first spe
 only then halves the scale (never below min_loss_scale; an overflow when the scale is already at the
 minimum is an error, as in DeepSpeed); the scale doubles when (iteration - last overflow - 1) is a
 positive multiple of loss_scale_window. A static scale (fp16.loss_scale > 0) never changes; an
-overflowing step is still skipped. bf16 has no loss scale.
+overflowing step is still skipped. bf16 has no loss scale. At ZeRO stage 2 each rank keeps only the
+masters of the params it owns (`drop_masters`) and holds only their gradients.
 
-What torch 2.13 (CPU build) can do in fp16 and bf16 on CPU, probed op by op: Linear/matmul/bmm/einsum,
-Conv1d/2d/3d/ConvTranspose, LayerNorm/RMSNorm/BatchNorm/GroupNorm/InstanceNorm, Embedding(Bag),
-attention (SDPA, MultiheadAttention, TransformerEncoderLayer), LSTM/GRU, pooling, interpolation, the
-common losses (cross_entropy incl. label smoothing, nll, mse, l1/smooth_l1/huber, bce_with_logits,
-kl_div, poisson_nll), forward and backward, and SGD/AdamW/clip_grad_norm_ on half tensors all work;
-gloo all_reduce (sum/max/avg), broadcast, all_gather_into_tensor and reduce_scatter_tensor of
-float16/bfloat16 tensors work between 2 processes, and inf propagates through a sum. Missing in both
-fp16 and bf16 on CPU: torch.linalg (inv, svd, qr, cholesky, det), torch.fft, cdist, ctc_loss,
-multi_margin_loss. Older torch builds lack even fp16 addmm on CPU; `check_supported` probes the
-basics once per (dtype, device type) and `Precision.guard` turns a missing kernel met later into a
-CrewError naming the op.
+torch 2.13 (CPU build), probed op by op in fp16 and bf16: the common layers, attention, RNNs, losses,
+forward and backward, SGD/AdamW/clip_grad_norm_ on half tensors, and gloo's collectives of half tensors
+all work; torch.linalg, torch.fft, cdist, ctc_loss and multi_margin_loss are missing. Older builds lack
+even fp16 addmm on CPU: `check_supported` probes the basics once per (dtype, device type) and
+`Precision.guard` turns a missing kernel met later into a CrewError naming the op.
+
+With the optimizer offloaded (ZeRO stages 1-2, `offload_optimizer`), the fp32 masters live on the CPU, in
+fp32 training too: gradients are copied to them, the optimizer steps there, the masters are copied back.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ import contextlib
 import functools
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -283,6 +281,13 @@ class Precision:
         """The fp32 tensor the optimizer steps for `param` (the param itself under fp32)."""
         return param
 
+    def master_pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """(model param, its fp32 master) for each master this rank keeps."""
+        return []
+
+    def drop_masters(self, params: Iterable[torch.Tensor]) -> None:
+        """ZeRO stage 2: other ranks keep these params' masters (master_of gives the param here)."""
+
     def unscale_grads(self) -> bool:
         return False
 
@@ -312,10 +317,12 @@ class Precision:
 class _MasterWeights(Precision):
     """bf16 (and the base of fp16): low-precision model, fp32 master copies that the optimizer steps."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, master_device: torch.device | None = None) -> None:
         super().__init__()
         self.dtype = dtype
+        self.master_device = master_device  # None: the parameter's own; the CPU when the optimizer is offloaded
         self._masters: list[torch.nn.Parameter] = []
+        self._with_master: list[torch.nn.Parameter] = []  # the model params of _masters, in order
         self._master_of: dict[int, torch.nn.Parameter] = {}
         self._device = "cpu"
 
@@ -331,9 +338,14 @@ class _MasterWeights(Precision):
         result = []
         for param in model_params:
             if id(param) not in self._master_of:
-                master = torch.nn.Parameter(param.detach().to(torch.float32, copy=True))
+                device = self.master_device or param.device
+                master = param.detach().to(device, torch.float32, copy=True)
+                if device.type == "cpu" and param.device.type == "cuda":
+                    master = master.pin_memory()  # page-locked: the copies to and from the GPU run at full speed
+                master = torch.nn.Parameter(master)
                 self._master_of[id(param)] = master
                 self._model_params.append(param)
+                self._with_master.append(param)
                 self._masters.append(master)
             result.append(self._master_of[id(param)])
         return result
@@ -341,8 +353,18 @@ class _MasterWeights(Precision):
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         return self._master_of.get(id(param), param)
 
+    def master_pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        return list(self._pairs())
+
+    def drop_masters(self, params: Iterable[torch.Tensor]) -> None:
+        dropped = {id(param) for param in params}
+        kept = [(param, master) for param, master in self._pairs() if id(param) not in dropped]
+        self._with_master, self._masters = [p for p, _ in kept], [m for _, m in kept]
+        for key in dropped:
+            self._master_of.pop(key, None)
+
     def _pairs(self) -> Iterator[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
-        return zip(self._model_params, self._masters)
+        return zip(self._with_master, self._masters)
 
     def _move_grads(self, scale: float) -> None:
         for param, master in self._pairs():
@@ -350,7 +372,7 @@ class _MasterWeights(Precision):
                 master.grad = None
                 continue
             # copy=True: a model param left in fp32 must not have its own grad scaled in place
-            grad = param.grad.detach().to(torch.float32, copy=True)
+            grad = param.grad.detach().to(master.device, torch.float32, copy=True)
             master.grad = grad.mul_(1.0 / scale) if scale != 1.0 else grad
 
     def unscale_grads(self) -> bool:
@@ -415,16 +437,11 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The shard this rank holds (DTensor grads under fully_shard), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 class _Fp16(_MasterWeights):
     """fp16: bf16's master weights plus a loss scale, and steps skipped on inf/nan gradients."""
 
-    def __init__(self, scaler: LossScaler) -> None:
-        super().__init__(torch.float16)
+    def __init__(self, scaler: LossScaler, master_device: torch.device | None = None) -> None:
+        super().__init__(torch.float16, master_device)
         self.scaler = scaler
 
     @property
@@ -461,16 +478,17 @@ class _Fp16(_MasterWeights):
 
 
 def _overflow(params: list[torch.nn.Parameter]) -> bool:
-    """An inf/nan in any gradient on any rank."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    """An inf/nan in any gradient on any rank (a DTensor grad: the shard this rank holds; at ZeRO
+    stage 2 a rank may hold none, and still takes part)."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else params[0].device if params else torch.device("cpu")
     finite = [torch.isfinite(g).all().to(device) for g in grads]  # one sync, not one per grad
     local = bool(torch.stack(finite).logical_not().any()) if grads else False
     return _any_rank(local, device)
 
 
 class _Sharded(Precision):
-    """fp16/bf16 under ZeRO stages 2-3: the fp32 sharded parameters are the master weights and
+    """fp16/bf16 under ZeRO stage 3: the fp32 sharded parameters are the master weights and
     FSDP2's MixedPrecisionPolicy gathers them in the 16-bit dtype for compute. fp16 keeps the loss
     scale: gradients are checked for inf/nan and unscaled in place."""
 
@@ -561,9 +579,10 @@ def _make_scaler(fp16: Any) -> LossScaler:
                              consecutive_hysteresis=bool(fp16.consecutive_hysteresis))
 
 
-def make_precision(fp16_config: Any, bf16_config: Any, sharded: bool = False) -> Precision:
+def make_precision(fp16_config: Any, bf16_config: Any, sharded: bool = False, offload: bool = False) -> Precision:
     """The Precision for the config's fp16 / bf16 sections (either may be None: disabled);
-    `sharded`: for ZeRO stages 2-3, where FSDP2 does the casting."""
+    `sharded`: for ZeRO stage 3, where FSDP2 does the casting; `offload`: the fp32 masters (in fp32
+    training too) on the CPU, where the optimizer steps them (ZeRO stages 1-2)."""
     fp16_on = bool(getattr(fp16_config, "enabled", False))
     bf16_on = bool(getattr(bf16_config, "enabled", False))
     if fp16_on and bf16_on:
@@ -573,8 +592,9 @@ def make_precision(fp16_config: Any, bf16_config: Any, sharded: bool = False) ->
     if sharded and (fp16_on or bf16_on):
         return _Sharded(torch.float16, _make_scaler(fp16_config)) if fp16_on \
             else _Sharded(torch.bfloat16, None)
+    host = torch.device("cpu") if offload else None
     if fp16_on:
-        return _Fp16(_make_scaler(fp16_config))
+        return _Fp16(_make_scaler(fp16_config), host)
     if bf16_on:
-        return _MasterWeights(torch.bfloat16)
-    return Precision()
+        return _MasterWeights(torch.bfloat16, host)
+    return _MasterWeights(torch.float32, host) if offload else Precision()

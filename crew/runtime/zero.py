@@ -2,20 +2,23 @@
 
     stage 0   DistributedDataParallel: replicated parameters, gradients and optimizer state
     stage 1   DDP + ZeroRedundancyOptimizer: each rank keeps and steps 1/N of the optimizer state
-    stage 2   FSDP2 fully_shard, reshard_after_forward=False: gradients and optimizer state sharded;
-              parameters are gathered once per step and held whole through forward and backward
+    stage 2   whole parameters on every rank, as in DeepSpeed; each parameter's gradient, fp32 master
+              (fp16/bf16) and optimizer state kept only by the rank that owns it (ZeroRedundancyOptimizer's
+              split); gradients averaged into the owners on every micro step (zero_stage2.py)
     stage 3   FSDP2 fully_shard, reshard_after_forward=True: parameters sharded too, gathered one
               wrapped unit at a time
 
-FSDP2 units ("wrap", a crew key in zero_optimization): "blocks" (default) wraps every member of a
+At stages 0-2 `model.parameters()` and `model.state_dict()` are the whole, equal tensors on every rank.
+
+Stage 3's FSDP2 units ("wrap", a crew key in zero_optimization): "blocks" (default) wraps every member of a
 repeated stack (the children of a ModuleList/Sequential that hold two or more modules of one class:
 the transformer blocks), falling back to the model's top-level children; "children" wraps each
 top-level child; a list of class names wraps every module of those classes. The root is always
 wrapped last and holds whatever is left (embeddings, heads, tied weights).
 
-Under fp16/bf16 the sharded parameters stay fp32 (they are the master weights) and FSDP2's
+Under fp16/bf16 at stage 3 the sharded parameters stay fp32 (they are the master weights) and FSDP2's
 MixedPrecisionPolicy gathers them in the 16-bit dtype for compute; gradients are reduced in fp32.
-Gradients are reduce-scattered on every micro step, as DeepSpeed's stage 2/3 do, so accumulation
+Gradients are reduce-scattered on every micro step, as DeepSpeed's stage 3 does, so accumulation
 holds only the gradient shard.
 
 `Init` and `GatheredParameters` are DeepSpeed's stage-3 API (see their docstrings).
@@ -36,9 +39,10 @@ from crew.runtime import comm
 from crew.runtime.registry import live_engines
 
 WRAP_CHOICES = ("blocks", "children")
+OFFLOAD_ON_CPU = False  # tests: take the offload path on a machine without GPU (masters are then CPU copies)
 # Keys with a torch equivalent; every other zero_optimization key is listed as having no effect.
 IMPLEMENTED_KEYS = frozenset({"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "wrap"})
-_DDP_ONLY_KEYS = ("reduce_bucket_size",)  # stages 0-1: DDP's bucket size; FSDP2 buckets per unit
+_BUCKET_KEYS = ("reduce_bucket_size",)  # stages 0-2: DDP's or stage 2's bucket size; FSDP2 buckets per unit
 
 
 class Zero:
@@ -52,23 +56,32 @@ class Zero:
         self.wrap_rule = _wrap_rule(extra.get("wrap", "blocks"))
         self.bucket_elements = _bucket_elements(extra.get("reduce_bucket_size"))
         self.offload = _offload(extra, self.stage, device)
+        # stages 1-2: the fp32 masters, their gradients and the optimizer's state and step on the CPU
+        self.offload_optimizer = bool(self.offload and self.stage in (1, 2))
+        self.grads = None  # stage 2 on more than one rank: its zero_stage2.GradientPartition
+        self.partitioned = False  # the optimizer is zero_stage2's (each rank holds its owned masters and grads)
 
     @property
     def shards_params(self) -> bool:
-        """Stages 2 and 3: the model is wrapped by fully_shard and its parameters become DTensors."""
-        return self.stage >= 2
+        """Stage 3: the model is wrapped by fully_shard and its parameters become DTensors."""
+        return self.stage == 3
 
     def no_effect_keys(self) -> list[str]:
         """Implemented keys that do nothing at this stage (on top of config.ignored_keys)."""
-        if self.stage >= 2 and self.bucket_elements is not None:
-            return [f"zero_optimization.{key}" for key in _DDP_ONLY_KEYS]
+        if self.stage == 3 and self.bucket_elements is not None:
+            return [f"zero_optimization.{key}" for key in _BUCKET_KEYS]
         return []
 
     # -- the model ---------------------------------------------------------------------------
 
     def wrap_ddp(self, model: torch.nn.Module):
-        """Stages 0-1 on more than one rank: DDP, which also broadcasts rank 0's weights."""
-        if self.stage >= 2 or self.world_size == 1:
+        """Stages 0-1 on more than one rank: DDP, which also broadcasts rank 0's weights. Stage 2 has
+        no DDP (its gradient hooks reduce): rank 0's weights are broadcast here all the same."""
+        if self.stage == 3 or self.world_size == 1:
+            return None
+        if self.stage == 2:
+            from crew.runtime import zero_stage2  # torch.distributed.optim: seconds to import, on use only
+            zero_stage2.broadcast_module(model, self.bucket_elements)
             return None
         from torch.nn.parallel import DistributedDataParallel
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -80,13 +93,13 @@ class Zero:
         return DistributedDataParallel(model, device_ids=ids, **options)
 
     def shard(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
-        """Stages 2-3: fully_shard the units and the root, in place. Returns {id(old param): new}
+        """Stage 3: fully_shard the units and the root, in place. Returns {id(old param): new}
         so that parameter lists taken before sharding can be pointed at the sharded parameters."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.stage == 3}
+        options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
         if compute_dtype is not None:
             # inputs are not cast, as at stages 0-1 and in DeepSpeed: the same script runs at any stage
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
@@ -108,9 +121,10 @@ class Zero:
         current = dict(model.named_parameters(remove_duplicate=False))
         return {old: current[name] for old, name in names.items() if name in current}
 
-    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Stage 1: the same optimizer, its state split over the ranks by ZeroRedundancyOptimizer."""
-        if self.stage != 1:
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, precision=None) -> torch.optim.Optimizer:
+        """Stage 1: the same optimizer, its state split over the ranks by ZeroRedundancyOptimizer.
+        Stage 2: the same split, and with it the fp32 masters (of `precision`) and the gradients."""
+        if self.stage not in (1, 2):
             return optimizer
         from torch.distributed.optim import ZeroRedundancyOptimizer
         cls = type(optimizer)
@@ -118,13 +132,26 @@ class Zero:
         # defaults can hold entries the constructor does not take (AdamW: decoupled_weight_decay)
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         try:
+            if self.stage == 2 or self.offload_optimizer:
+                # stage 2, and stage 1 with its masters on the CPU: the owners broadcast the model's
+                # parameters (never the CPU masters, which NCCL cannot send); stage 1 reduces through DDP
+                from crew.runtime import zero_stage2
+                partitioned = zero_stage2.partition(optimizer, cls, defaults, precision, self.bucket_elements,
+                                                    self.device, reduce_gradients=self.stage == 2)
+                self.grads, self.partitioned = partitioned.grads, True
+                return partitioned
             # The same group dicts: a scheduler built on `optimizer` still sets the lr that is used.
             return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=cls, **defaults)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
-                f"zero_optimization.stage 1 rebuilds the optimizer as ZeroRedundancyOptimizer("
+                f"zero_optimization.stage {self.stage} rebuilds the optimizer as ZeroRedundancyOptimizer("
                 f"optimizer_class={cls.__name__}, ...), which failed: {exc}. Use a torch.optim "
-                "optimizer, or stage 0, 2 or 3.") from None
+                "optimizer, or stage 0 or 3.") from None
+
+    def reducing(self, boundary: bool) -> contextlib.AbstractContextManager:
+        """Around a backward: at stage 2 its gradients are averaged into their owners, and on the
+        accumulation boundary become the owned parameters' .grad."""
+        return self.grads.reducing(boundary) if self.grads is not None else contextlib.nullcontext()
 
 
 # -- wrapping ---------------------------------------------------------------------------------
@@ -208,13 +235,23 @@ def _offload(extra: dict, stage: int, device: torch.device) -> dict | None:
         wanted[key] = bool(section.get("pin_memory", True))
     if not wanted:
         return None
-    if device.type == "cpu":
+    if device.type == "cpu" and not OFFLOAD_ON_CPU:
         log_rank0("zero_optimization: %s to cpu has no effect, training already runs on the CPU",
                   " and ".join(wanted))
         return None
-    if stage < 2:
-        raise ConfigError(f"zero_optimization.{next(iter(wanted))} needs stage 2 or 3 in crew (torch "
-                          f"offloads sharded state through FSDP2); this config has stage {stage}.")
+    if stage == 0:
+        raise ConfigError(f"zero_optimization.{next(iter(wanted))} needs ZeRO stage 1, 2 or 3 (as in "
+                          "DeepSpeed); this config has stage 0. Set zero_optimization.stage, or remove the "
+                          "offload section.")
+    if stage < 3:
+        if "offload_param" in wanted:
+            log_rank0("zero_optimization.offload_param has no effect below stage 3 (as in DeepSpeed): "
+                      "the parameters stay on the GPU")
+        if "offload_optimizer" not in wanted:
+            return None
+        log_rank0("zero_optimization.offload_optimizer: the fp32 master weights, gradients and optimizer "
+                  "state of this rank's partition live on the CPU, where the optimizer steps")
+        return {"pin_memory": wanted["offload_optimizer"]}
     if "offload_param" not in wanted:
         log_rank0("zero_optimization.offload_optimizer: torch's CPUOffloadPolicy keeps parameters, "
                   "gradients and optimizer state on the CPU together (as offload_param would)")
@@ -228,7 +265,8 @@ _INIT_RNG_STATE: torch.Tensor | None = None  # the CPU generator's state when th
 
 class Init:
     """`with crew.zero.Init(): model = Model()`: build the model without allocating its weights
-    (on torch's meta device). The engine materialises it one FSDP2 unit at a time: each unit's
+    (on torch's meta device). At stage 3 the engine materialises it one FSDP2 unit at a time (at
+    stages 0-2 whole, every rank keeping every parameter): each unit's
     parameters are allocated, initialised by the modules' reset_parameters(), sharded, and only
     then is the next unit allocated. The random state is rank 0's as it was at the end of the
     block (building on meta draws no random numbers), so every rank gets the same values, and a
@@ -266,13 +304,13 @@ def is_deferred(model: torch.nn.Module) -> bool:
 
 
 def materialise(model: torch.nn.Module, device: torch.device) -> dict[int, torch.Tensor]:
-    """Stages 0-1 with a model built under zero.Init: allocate and initialise it whole. Returns
+    """Stages 0-2 with a model built under zero.Init: allocate and initialise it whole. Returns
     {id(meta param): allocated param}."""
     if not is_deferred(model):
         return {}
     with _materialising(model) as memo:
         _materialise(model, device, memo)
-    log_rank0("zero.Init: stages 0-1 keep whole parameters on every rank, so the model built on "
+    log_rank0("zero.Init: stages 0-2 keep whole parameters on every rank, so the model built on "
               "the meta device is now allocated whole")
     return {key: allocated for key, (_, allocated) in memo.items()}
 

@@ -8,11 +8,14 @@ import json
 from conftest import crew, write_script
 from shimrun import run_as_deepspeed
 
+from crew import __version__ as crew_version
 from crew.deepspeed.alias import ALIASES
 
 SCRIPT = """
-    import argparse, json, os
+    import argparse, importlib.metadata, importlib.util, json, os
     import torch
+    found = importlib.util.find_spec("deepspeed") is not None  # as Accelerate and transformers look, before importing
+    dist_version = importlib.metadata.version("deepspeed")
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
@@ -44,7 +47,8 @@ SCRIPT = """
               "world": dist.get_world_size(), "local_rank": args.local_rank, "losses": losses,
               "device": accelerator.device_name(engine.local_rank),
               "backend": accelerator.communication_backend_name(),
-              "refused": refused}
+              "refused": refused, "found": found, "dist_version": dist_version,
+              "spec": importlib.util.find_spec("deepspeed").name}
     with open(f"result{dist.get_rank()}.json", "w") as out:
         json.dump(result, out)
 """
@@ -59,7 +63,9 @@ def test_import_deepspeed_is_crew_on_every_rank(job_dir):
     for rank, result in enumerate(results):
         assert (result["module"], result["rank"], result["world"], result["local_rank"]) == \
             ("crew.deepspeed", rank, 2, rank)
-        assert result["version"].endswith("+crew")
+        # DeepSpeed's API version (HF's gates: deepspeed>=0.9.3, ...) with crew's own as the local label
+        assert result["version"] == result["dist_version"] == f"0.19.8+crew.{crew_version}"
+        assert result["found"] and result["spec"] == "crew.deepspeed"
         assert (result["device"], result["backend"]) == ("cpu", "gloo")
         assert result["losses"][-1] < result["losses"][0]  # it trains
         assert result["refused"].startswith("deepspeed.pipe (pipeline parallelism")
@@ -67,7 +73,17 @@ def test_import_deepspeed_is_crew_on_every_rank(job_dir):
 
 
 def test_without_the_flag_deepspeed_is_not_shadowed(job_dir):
-    write_script(job_dir, "train.py", "import deepspeed\n")
+    write_script(job_dir, "train.py", """
+        import importlib.metadata, importlib.util, os
+        assert importlib.util.find_spec("deepspeed") is None and "CREW_DEEPSPEED_ON_CPU" not in os.environ
+        try:
+            importlib.metadata.version("deepspeed")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+        else:
+            raise AssertionError("a deepspeed distribution record is visible without --as_deepspeed")
+        import deepspeed
+    """)
     run = crew("run", "--num_gpus", "1", "train.py", cwd=job_dir)
     assert run.code == 1
     assert "No module named 'deepspeed'" in run.err  # this venv has no DeepSpeed: Python's own error

@@ -152,18 +152,29 @@ def test_seed_002_port_22_is_refused_unless_a_flag_overrides_it(here, capsys):
     assert data["env"]["ACCELERATE_USE_DEEPSPEED"] == "true"
 
 
-def test_deepspeed_notes_what_an_accelerate_script_lacks(here):
+def test_deepspeed_notes_what_an_accelerate_script_lacks(here, monkeypatch):
     (here / "hostfile").write_text(SEED_HOSTFILE)
     (here / "deepspeed.json").write_text("{}")
     name = yaml_file(here, SEED_002)
-    missing = [p for p in ("deepspeed", "transformers") if not acc._installed(p)]
-    said = applied("--config_file", name, "--master_port", "29511", command="run", for_run=True)[1]
-    assert (f"distributed_type: DEEPSPEED: an Accelerate script needs deepspeed and transformers on every "
-            f"node; not installed here: {', '.join(missing)} (or use MULTI_GPU)" in said[-1]) == bool(missing)
-    said = applied("--config_file", name, "--master_port", "29511", "--as_deepspeed", command="run",
-                   for_run=True)[1]
-    assert said[-1].endswith("an Accelerate script needs DeepSpeed's own engine, which --as_deepspeed does "
-                             "not stand in for")
+    run = ("--config_file", name, "--master_port", "29511")
+    monkeypatch.setattr(acc, "_installed", lambda package: package == "transformers")  # DeepSpeed missing
+    said = applied(*run, command="run", for_run=True)[1]
+    assert said[-1].endswith("distributed_type: DEEPSPEED: an Accelerate script needs deepspeed and transformers "
+                             "on every node; not installed here: deepspeed (pass --as_deepspeed to train on crew's "
+                             "engine as DeepSpeed, or use MULTI_GPU)")
+    args, said = applied(*run, "--as_deepspeed", command="run", for_run=True)
+    assert not any("an Accelerate script" in line for line in said)  # crew's engine stands in for DeepSpeed
+    assert env_of(args)["ACCELERATE_USE_DEEPSPEED"] == "true"
+    monkeypatch.setattr(acc, "_installed", lambda package: False)
+    said = applied(*run, command="run", for_run=True)[1]
+    assert "not installed here: deepspeed, transformers (pass --as_deepspeed" in said[-1]
+    said = applied(*run, "--as_deepspeed", command="run", for_run=True)[1]
+    assert said[-1].endswith("an Accelerate script needs transformers on every node (Accelerate's DeepSpeed plugin "
+                             "builds transformers' HfDeepSpeedConfig, also on crew's engine); not installed here: "
+                             "transformers (pip install transformers, or use MULTI_GPU)")
+    monkeypatch.setattr(acc, "_installed", lambda package: package == "deepspeed")
+    said = applied(*run, command="run", for_run=True)[1]
+    assert said[-1].endswith("not installed here: transformers (or use MULTI_GPU)")
     (here / "train.py").write_text("import deepspeed\n")  # a script on DeepSpeed's engine: no note
     said = applied("--config_file", name, "--master_port", "29511", "train.py", command="run", for_run=True)[1]
     assert not any("an Accelerate script" in line for line in said)
@@ -235,7 +246,30 @@ def test_deepspeed_on_the_cpu_leaves_deepspeed_out_and_says_so():
     assert not config.deepspeed
     assert config.env == {"ACCELERATE_USE_CPU": "true"}
     assert config.notes == ["use_cpu: true: Accelerate trains with DDP on the CPU, where DeepSpeed is not used; "
-                            "not set: deepspeed_config_file, zero3_init_flag"]
+                            "not set: deepspeed_config_file, zero3_init_flag (with --as_deepspeed crew's engine "
+                            "trains with them on the CPU)"]
+
+
+def test_as_deepspeed_keeps_deepspeed_on_the_cpu(here):
+    """crew's engine trains on the CPU: under --as_deepspeed use_cpu does not drop the DeepSpeed variables, and
+    ACCELERATE_USE_CPU (with which Accelerate would ignore them) is not set."""
+    (here / "hostfile").write_text(SEED_HOSTFILE)
+    name = yaml_file(here, SEED_002.replace("use_cpu: false", "use_cpu: true"))
+    args, said = applied("--config_file", name, "--master_port", "29511", "--as_deepspeed")
+    assert env_of(args)["ACCELERATE_USE_DEEPSPEED"] == "true" and "ACCELERATE_USE_CPU" not in env_of(args)
+    assert said[-1].endswith("ACCELERATE_USE_CPU is not set, as with it Accelerate would drop the DeepSpeed config")
+    config = acc.parse_config("a.yaml", acc.yaml.safe_load((here / name).read_text()), as_deepspeed=True)
+    assert config.deepspeed and config.as_deepspeed
+    assert config.env == {
+        "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "./deepspeed.json",
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
+        "ACCELERATE_CONFIG_DS_FIELDS": "deepspeed_config_file,deepspeed_hostfile,deepspeed_multinode_launcher,"
+                                       "zero3_init_flag"}
+    assert config.notes == ["use_cpu: true: under --as_deepspeed Accelerate trains with DeepSpeed on crew's engine "
+                            "(on the CPU where a machine has no GPU); ACCELERATE_USE_CPU is not set, as with it "
+                            "Accelerate would drop the DeepSpeed config"]
+    multi_cpu = acc.parse_config("a.yaml", {"distributed_type": "MULTI_CPU", "use_cpu": True}, as_deepspeed=True)
+    assert multi_cpu.env == {"ACCELERATE_USE_CPU": "true"} and not multi_cpu.deepspeed  # no DeepSpeed asked for
 
 
 def test_filters_replace_num_gpus_as_in_deepspeed(here):
@@ -331,16 +365,19 @@ def test_keys_with_no_effect_are_named_in_one_line():
                               "tpu_env", "deepspeed_config.foo"]
 
 
-@pytest.mark.parametrize("gpu, base, expected", [
-    (False, {}, "true"),
-    (False, {"ACCELERATE_USE_CPU": "false"}, "false"),  # the user's own wins
-    (True, {}, None),  # never where there is a GPU
+@pytest.mark.parametrize("gpu, as_deepspeed, base, expected, on_cpu", [
+    (False, False, {}, "true", None),
+    (False, False, {"ACCELERATE_USE_CPU": "false"}, "false", None),  # the user's own wins
+    (True, False, {}, None, None),  # never where there is a GPU
+    (False, True, {}, None, "1"),  # --as_deepspeed: crew's rank site gives Accelerate gloo, DeepSpeed config kept
+    (True, True, {}, None, None),
 ])
-def test_rank_env_tells_accelerate_to_use_the_cpu(monkeypatch, gpu, base, expected):
+def test_rank_env_tells_accelerate_to_use_the_cpu(monkeypatch, gpu, as_deepspeed, base, expected, on_cpu):
     monkeypatch.setattr("crew.launcher.node.agent.has_gpu", lambda: gpu)
     job = JobSpec(job_id="j", nodes=(NodeSpec("n0", (0, 1), (0, 1)),), master_addr="m", master_port=1,
-                  program=("t.py",), cwd="/", env={})
-    assert rank_env(job, 0, 0, base).get("ACCELERATE_USE_CPU") == expected
+                  program=("t.py",), cwd="/", env={}, as_deepspeed=as_deepspeed)
+    env = rank_env(job, 0, 0, base)
+    assert (env.get("ACCELERATE_USE_CPU"), env.get("CREW_DEEPSPEED_ON_CPU")) == (expected, on_cpu)
 
 
 # --------------------------------------------------------------------------------------------

@@ -99,3 +99,33 @@ def test_a_sitecustomize_of_the_users_runs_after_crews(job_dir):
     assert done.code == 0, done.err
     assert "user sitecustomize ran; crew's stack pipe was taken: True" in done.out
     assert "first on the path: True" in done.out
+
+
+ACCELERATE_BACKEND = """
+    import json, os
+    from accelerate.state import PartialState
+    print(json.dumps([str(x) for x in PartialState._prepare_backend(PartialState, cpu=False)]))
+    print(json.dumps([str(x) for x in PartialState._prepare_backend(PartialState, cpu=True)]))
+"""
+
+
+@pytest.mark.parametrize("on_cpu, expected", [
+    ("1", ["gloo", "DistributedType.MULTI_CPU"]),  # --as_deepspeed without a GPU: one world over gloo
+    ("", ["None", "DistributedType.NO"]),  # Accelerate's own answer: no backend, each rank a world of one
+])
+def test_accelerate_gets_gloo_for_deepspeed_on_a_machine_without_gpu(tmp_path, on_cpu, expected):
+    pytest.importorskip("accelerate", reason="needs the test extra (accelerate)")
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    env = {**os.environ, "PYTHONPATH": str(SITE.parent), "CREW_DEEPSPEED_ON_CPU": on_cpu, "LOCAL_RANK": "0",
+           "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(ACCELERATE_BACKEND)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    without_cpu, with_cpu = (json.loads(line) for line in proc.stdout.splitlines())
+    assert without_cpu == expected
+    assert with_cpu == ["gloo", "DistributedType.MULTI_CPU"]  # cpu=True (ACCELERATE_USE_CPU) is Accelerate's own

@@ -201,7 +201,7 @@ def test_accessor_values_for_a_config():
     assert [tuple(m) for m in engine.get_mom()] == [(0.8, 0.99)]
     assert engine.get_data_types() == (torch.float16, torch.float16)
     assert engine.communication_data_type == torch.float16
-    assert not engine.wall_clock_breakdown() and not engine.memory_breakdown() and not engine.is_compiled()
+    assert not engine.wall_clock_breakdown() and not engine.memory_breakdown() and not engine.is_compiled
     engine.empty_partition_cache()
     engine.communication_data_type = "fp32"
     assert engine.communication_data_type == torch.float32

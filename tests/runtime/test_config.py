@@ -6,6 +6,7 @@ import argparse
 import copy
 import itertools
 import logging
+import math
 import warnings
 from pathlib import Path
 
@@ -197,7 +198,6 @@ OUT_OF_RANGE = [
     ({"fp16": {"initial_scale_power": -1}}, ["fp16.initial_scale_power -1", "must be >= 0"]),
     ({"gradient_predivide_factor": 0}, ["gradient_predivide_factor 0", "must be > 0"]),
     ({"steps_per_print": 0}, ["steps_per_print 0", "must be >= 1"]),
-    ({"steps_per_print": None}, ["steps_per_print null", "expected an integer"]),
 ]
 
 
@@ -242,6 +242,8 @@ def test_defaults_are_deepspeeds(no_warnings):
     config = Config.from_dict({MB: 1}, world_size=1)
     assert config.gradient_clipping == 1.0  # GRADIENT_CLIPPING_DEFAULT in deepspeed/runtime/constants.py
     assert config.steps_per_print == 10     # DeepSpeed 0.19 says None (never); crew's engine prints
+    for never in (None, math.inf):  # an explicit null (DeepSpeed: never), Infinity (what Accelerate writes)
+        assert Config.from_dict({MB: 1, "steps_per_print": never}, world_size=1).steps_per_print == math.inf
     assert (config.prescale_gradients, config.gradient_predivide_factor) == (False, 1.0)
     assert (config.wall_clock_breakdown, config.dataloader_drop_last) == (False, False)
     assert config.optimizer is None and config.scheduler is None

@@ -153,8 +153,8 @@ def test_client_optimizer_and_callable_and_conflicts():
     assert isinstance(optimizer, torch.optim.SGD) and engine.get_lr() == [0.2]
     with pytest.raises(crew.ConfigError, match="both to initialize"):
         crew.initialize(model=make_model(), optimizer=mine, config=config(4, 1, 0.0))
-    with pytest.raises(crew.ConfigError, match="no optimizer"):
-        crew.initialize(model=make_model(), config=no_optimizer)
+    engine, optimizer, _, _ = crew.initialize(model=make_model(), config=no_optimizer)  # model only, as DeepSpeed
+    assert optimizer is None and engine.optimizer is None
 
 
 def test_progress_line_and_batch_math_are_logged(capsys):
@@ -226,3 +226,90 @@ def test_the_process_group_is_destroyed_at_exit_while_python_is_whole(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "group during run: True" in proc.stdout and "group at exit: False" in proc.stdout
+
+
+def train_like_accelerate(rank: int, ds_config: dict, steps: int = STEPS) -> dict:
+    """Accelerate's DeepSpeedEngineWrapper: the boundary is set after the forward, right before backward, and
+    step() is called on the boundary only."""
+    import crew
+
+    engine, _, _, _ = crew.initialize(model=make_model(), config=ds_config)
+    inputs, targets = make_data(steps)
+    micro, world, accumulation = engine.train_micro_batch_size_per_gpu(), engine.world_size, 2
+    for step in range(steps):
+        for m in range(accumulation):
+            start = step * GLOBAL_BATCH + (m * world + rank) * micro
+            loss = torch.nn.functional.mse_loss(engine(inputs[start:start + micro]), targets[start:start + micro])
+            engine.set_gradient_accumulation_boundary(m == accumulation - 1)
+            engine.backward(loss)
+            if m == accumulation - 1:
+                engine.step()
+    return {"params": copy.deepcopy(engine.module.state_dict()), "steps": engine.global_steps}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_boundary_set_after_the_forward_still_averages_gradients(stage):
+    expected = train_plain_torch(0.5)
+    for result in run_ranks(train_like_accelerate, 2, config(4, 2, 0.5, zero_optimization={"stage": stage})):
+        assert_same_params(result["params"], expected)
+        assert result["steps"] == STEPS
+
+
+def test_model_only_engine_and_deepspeeds_engine_attributes():
+    import math
+
+    import crew
+    from crew.errors import ConfigError
+
+    model = make_model()
+    model.label = "mine"  # an attribute of the user's model: the engine forwards it, as DeepSpeed's
+    ds_config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": math.inf}
+    engine, optimizer, _, scheduler = crew.initialize(model=model, config_params=ds_config)
+    assert (optimizer, scheduler, engine.optimizer) == (None, None, None)
+    assert engine.config is ds_config and engine.label == "mine" and engine.module is model
+    assert isinstance(engine, torch.nn.Module) and engine.steps_per_print() == math.inf
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
+        engine.no_such_thing  # noqa: B018
+    loss = engine(torch.ones(4, 8)).sum()
+    engine.backward(loss)
+    with pytest.raises(ConfigError, match="engine.step\\(\\) needs an optimizer"):
+        engine.step()
+    assert not engine.is_compiled
+    engine.compile(backend="eager")
+    assert engine.is_compiled and torch.allclose(engine(torch.ones(4, 8)), model(torch.ones(4, 8)))
+
+
+def train_offloaded(rank: int) -> dict:
+    """ZeRO stages 1-2 with offload_optimizer, taking the offload path on this CPU machine: fp32 masters
+    that only the owner keeps, stepped where they live, copied back and broadcast."""
+    import crew
+    from crew.runtime import zero
+
+    zero.OFFLOAD_ON_CPU = True
+    seen = {}
+    for stage in (1, 2):
+        ds_config = config(4, 2, 0.5, zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}})
+        engine, *_ = crew.initialize(model=make_model(), config=ds_config)
+        inputs, targets = make_data()
+        for step in range(STEPS):
+            for m in range(2):
+                start = step * GLOBAL_BATCH + (m * 2 + rank) * 4
+                engine.backward(torch.nn.functional.mse_loss(engine(inputs[start:start + 4]), targets[start:start + 4]))
+                engine.step()
+        params = list(engine.module.parameters())
+        masters = [engine.precision.master_of(p) for p in params]
+        seen[stage] = {"params": copy.deepcopy(engine.module.state_dict()),
+                       "own_masters": sum(m is not p for m, p in zip(masters, params)),
+                       "state_is_the_masters": all(any(t is s for s in masters) for t in engine.optimizer.optim.state)}
+    return seen
+
+
+def test_offloaded_optimizer_steps_the_owned_fp32_masters_and_trains_the_same():
+    expected = train_plain_torch(0.5)
+    results = run_ranks(train_offloaded, 2)
+    for stage in (1, 2):
+        for seen in results:
+            assert_same_params(seen[stage]["params"], expected)
+            assert seen[stage]["state_is_the_masters"]
+        # each parameter has its fp32 master on exactly one rank (4 parameters in all)
+        assert results[0][stage]["own_masters"] + results[1][stage]["own_masters"] == 4

@@ -1,5 +1,6 @@
-"""`deepspeed.ops`: the Adam optimizers (`deepspeed.ops.adam`) on torch's own implementations."""
+"""`deepspeed.ops`: DeepSpeed's optimizers on torch: `adam` (FusedAdam, DeepSpeedCPUAdam), `adagrad`
+(DeepSpeedCPUAdagrad) and `lion` (DeepSpeedCPULion, FusedLion). `lamb` and the kernels are refused."""
 
-from crew.deepspeed.ops import adam
+from crew.deepspeed.ops import adagrad, adam, lion
 
-__all__ = ["adam"]
+__all__ = ["adagrad", "adam", "lion"]

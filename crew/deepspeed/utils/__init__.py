@@ -1,5 +1,6 @@
-"""`deepspeed.utils`: the logger, log_dist, RepeatingLoader and the full fp32 value of a parameter or
-its gradient at any ZeRO stage (`safe_get_full_fp32_param`, `safe_get_full_grad`)."""
+"""`deepspeed.utils`: the logger (crew's, a logging.Logger: transformers sets its level), log_dist,
+RepeatingLoader, the full fp32 value of a parameter or its gradient at any ZeRO stage
+(`safe_get_full_fp32_param`, `safe_get_full_grad`) and the ZeRO-3 leaf-module flags (z3_leaf_module.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import logging
 
 import torch
 
+from crew.deepspeed.utils.z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
+                                                 unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 from crew.log import logger
 from crew.runtime import comm, registry
 from crew.runtime.data import RepeatingLoader
 
-__all__ = ["RepeatingLoader", "log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad"]
+__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "logger", "safe_get_full_fp32_param",
+           "safe_get_full_grad", "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+           "z3_leaf_module", "z3_leaf_parameter"]
 
 
 def _dist_message(message: str, ranks) -> str | None:
@@ -51,10 +56,20 @@ def _engine_of(param: torch.Tensor):
     return found if found is not None else next(owning, None)
 
 
+def _from_owner(engine):
+    """Stage 2's collective that fetches an owned master or gradient from its owner rank; else None."""
+    return getattr(engine.optimizer, "from_owner", None) if engine is not None else None
+
+
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     """The whole fp32 value of `param` at any stage: the fp32 master copy when crew keeps one (fp16,
-    bf16 at stages 0-1), else the param; gathered from the shards at stages 2-3 (all ranks call)."""
+    bf16), else the param; from its owner rank at stage 2, gathered from the shards at stage 3 (all ranks
+    call)."""
     engine = _engine_of(param)
+    fetch = _from_owner(engine)
+    if fetch is not None:
+        master = fetch(param)
+        return master if master is not None else param.detach().float()
     return _full(engine.precision.master_of(param) if engine is not None else param)
 
 
@@ -62,6 +77,11 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The whole fp32 gradient of `param` between backward and step (averaged over ranks on the
     boundary micro step, unscaled under fp16); None when it has none. At stages 2-3 a collective."""
     engine = _engine_of(param)
+    fetch = _from_owner(engine)
+    if fetch is not None:  # stage 2: the owner's reduced gradient, in the model's dtype, loss scale included
+        grad = fetch(param, grad=True)
+        scale = engine.precision.loss_scale
+        return None if grad is None else grad / scale if scale not in (None, 1.0) else grad
     master = engine.precision.master_of(param) if engine is not None else param
     grad = master.grad if master is not param and master.grad is not None else param.grad
     if grad is None:

@@ -75,7 +75,8 @@ class AccelerateConfig:
     num_machines: int = 1
     per_machine: int | None = None  # num_processes // num_machines
     machine_rank: int = 0
-    deepspeed: bool = False  # the ranks need the real `deepspeed` (distributed_type DEEPSPEED, not on CPU)
+    deepspeed: bool = False  # the ranks train with DeepSpeed (DEEPSPEED, and not use_cpu unless as_deepspeed)
+    as_deepspeed: bool = False  # crew run --as_deepspeed: crew's engine is the ranks' DeepSpeed
     ignored: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -106,18 +107,24 @@ def _yaml_where(exc: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}" if mark else "somewhere in the file"
 
 
-def parse_config(path: str, data: dict) -> AccelerateConfig:
-    """The YAML mapping -> crew's options, env and the keys it cannot honour."""
+def parse_config(path: str, data: dict, as_deepspeed: bool = False) -> AccelerateConfig:
+    """The YAML mapping -> crew's options, env and the keys it cannot honour. `as_deepspeed`: the ranks'
+    `import deepspeed` is crew's engine, which trains on the CPU too, so `use_cpu` does not drop DeepSpeed."""
     key = _Keys(path, data)
     key.check_known()
-    config = AccelerateConfig(path)
+    config = AccelerateConfig(path, as_deepspeed=as_deepspeed)
     kind = key.distributed_type()
     key.data = {**data, "distributed_type": kind}
     ds = key.deepspeed_block()
     use_cpu = key.flag("use_cpu")
+    crew_deepspeed = as_deepspeed and kind == "DEEPSPEED"
     _world(key, ds, config)
     _precision_env(key, config.env)
-    if use_cpu:
+    if use_cpu and crew_deepspeed:
+        config.notes.append("use_cpu: true: under --as_deepspeed Accelerate trains with DeepSpeed on crew's engine "
+                            "(on the CPU where a machine has no GPU); ACCELERATE_USE_CPU is not set, as with it "
+                            "Accelerate would drop the DeepSpeed config")
+    elif use_cpu:
         config.env["ACCELERATE_USE_CPU"] = "true"
     if key.flag("debug"):
         config.env["ACCELERATE_DEBUG_MODE"] = "true"
@@ -127,7 +134,7 @@ def parse_config(path: str, data: dict) -> AccelerateConfig:
     if steps is not None:
         config.env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(key.number(
             "gradient_accumulation_steps", steps, minimum=1))
-    _deepspeed_env(key, ds, kind == "DEEPSPEED" and not use_cpu, config)
+    _deepspeed_env(key, ds, kind == "DEEPSPEED" and (crew_deepspeed or not use_cpu), config)
     config.ignored += [k for k in NO_USE if k in data and not _no_op(data[k])]
     known = (*DEEPSPEED_ENV, *DEEPSPEED_LAUNCH, "gradient_accumulation_steps")
     config.ignored += [f"deepspeed_config.{k}" for k in ds if k not in known]
@@ -275,14 +282,15 @@ def _precision_env(key: _Keys, env: dict[str, str]) -> None:
 
 
 def _deepspeed_env(key: _Keys, ds: dict, use: bool, config: AccelerateConfig) -> None:
-    """distributed_type DEEPSPEED: the variables prepare_deepspeed_cmd_env sets. On the CPU Accelerate
-    trains with DDP and never uses DeepSpeed (AcceleratorState checks `not cpu`), so there the
-    DeepSpeed settings are left out, and with them Accelerate's demand that deepspeed be installed."""
+    """distributed_type DEEPSPEED: the variables prepare_deepspeed_cmd_env sets. With use_cpu Accelerate
+    trains with DDP and never uses DeepSpeed (AcceleratorState checks `not cpu`), so there (unless
+    --as_deepspeed) the DeepSpeed settings are left out, and with them Accelerate's demand for deepspeed."""
     settings = [k for k in DEEPSPEED_ENV if ds.get(k) is not None]
     if not use:
         if settings and key.data.get("distributed_type") == "DEEPSPEED":
             config.notes.append(f"use_cpu: true: Accelerate trains with DDP on the CPU, where DeepSpeed is not "
-                                f"used; not set: {', '.join(settings)}")
+                                f"used; not set: {', '.join(settings)} (with --as_deepspeed crew's engine trains "
+                                "with them on the CPU)")
         elif settings:
             config.ignored += [f"deepspeed_config.{k}" for k in settings]
         return
@@ -357,11 +365,12 @@ def standalone_machines(config: AccelerateConfig, args: argparse.Namespace) -> l
 
 def deepspeed_note(config: AccelerateConfig, args: argparse.Namespace) -> str | None:
     """distributed_type DEEPSPEED: what an Accelerate script will lack, said before anything starts.
-    Accelerate's DeepSpeed integration needs the real DeepSpeed and transformers where the ranks run: it
-    checks DeepSpeed's installed version (importlib.metadata), builds transformers' HfDeepSpeedConfig and
-    calls DeepSpeed internals that crew's engine does not have. Only a note, and only when the script's
-    text names accelerate: a script on crew's own engine (`import crew`, --as_deepspeed) launched with the
-    same YAML needs neither; an Accelerate script stops at `Accelerator()` with Accelerate's ImportError."""
+    Accelerate's DeepSpeed integration finds DeepSpeed by its package metadata and builds transformers'
+    HfDeepSpeedConfig (DeepSpeedPlugin.select, at `Accelerator()`), so the ranks need transformers and a
+    DeepSpeed: the real one, or crew's engine under --as_deepspeed (the ranks then find crew's record).
+    Only a note, and only when the script's text names accelerate: a script on crew's own engine
+    launched with the same YAML needs neither; an Accelerate script stops at `Accelerator()` with
+    Accelerate's own ImportError."""
     if not config.deepspeed:
         return None
     path = config.env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -370,14 +379,19 @@ def deepspeed_note(config: AccelerateConfig, args: argparse.Namespace) -> str | 
                         f"{Path.cwd()}, where the ranks start). Fix the path, or remove the key.")
     if not _mentions_accelerate(getattr(args, "script", None)):
         return None  # a script on crew's (or DeepSpeed's) engine, launched with the same YAML
-    if getattr(args, "as_deepspeed", False):
-        return ("distributed_type: DEEPSPEED: an Accelerate script needs DeepSpeed's own engine, which "
-                "--as_deepspeed does not stand in for")
+    if config.as_deepspeed:
+        if _installed("transformers"):
+            return None
+        return ("distributed_type: DEEPSPEED: an Accelerate script needs transformers on every node (Accelerate's "
+                "DeepSpeed plugin builds transformers' HfDeepSpeedConfig, also on crew's engine); not installed "
+                "here: transformers (pip install transformers, or use MULTI_GPU)")
     missing = [name for name in ("deepspeed", "transformers") if not _installed(name)]
-    if missing:
-        return (f"distributed_type: DEEPSPEED: an Accelerate script needs deepspeed and transformers on every "
-                f"node; not installed here: {', '.join(missing)} (or use MULTI_GPU)")
-    return None
+    if not missing:
+        return None
+    fix = ("pass --as_deepspeed to train on crew's engine as DeepSpeed, or use MULTI_GPU" if "deepspeed" in missing
+           else "or use MULTI_GPU")
+    return (f"distributed_type: DEEPSPEED: an Accelerate script needs deepspeed and transformers on every "
+            f"node; not installed here: {', '.join(missing)} ({fix})")
 
 
 def _mentions_accelerate(script: str | None) -> bool:
@@ -404,7 +418,7 @@ def apply_config_file(args: argparse.Namespace, say: Callable[[str], None], for_
     ACCELERATE_* variables before the user's --env, and say what it read it as, the keys crew has no use
     for (one line) and any note. `for_run`: also say what an Accelerate script will lack (DeepSpeed)."""
     path = args.config_file
-    config = parse_config(path, read_config(path))
+    config = parse_config(path, read_config(path), as_deepspeed=bool(getattr(args, "as_deepspeed", False)))
     applied = {}
     for dest, value in launch_options(config, args).items():
         if value not in (None, "") and _unset(getattr(args, dest, None)):

@@ -28,9 +28,9 @@ from crew.runtime.checkpoint.state import fp32_module_state
 def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     """Rank 0 writes the module's weights in its training dtype (16-bit under fp16/bf16); at
-    stages 2-3 they are gathered from the shards first (a collective). With
+    stage 3 they are gathered from the shards first (a collective). With
     exclude_frozen_parameters, parameters that do not require grad are left out (buffers stay)."""
-    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stage 3 pays its import
     gathered = None
     if engine.zero.shards_params:
         gathered = checkpoint_sharded.full_module_state(engine.module)
@@ -62,7 +62,7 @@ def write_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
     """`crew export`: a save dir (its `latest`) or a tag folder -> one fp32 state dict file. A
-    sharded checkpoint (stages 2-3) is consolidated here, in this one process."""
+    sharded checkpoint (stage 3) is consolidated here, in this one process."""
     folder = Path(checkpoint)
     if not (folder / MANIFEST).is_file():
         tag = read_latest(folder)
@@ -76,7 +76,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
 
 def read_fp32_module(folder: Path) -> dict[str, torch.Tensor]:
     """A tag folder's whole module state, floating-point tensors in fp32, whatever its ZeRO stage."""
-    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stage 3 pays its import
     manifest = read_manifest(folder)
     verifier = Verifier(folder, manifest)
     if manifest["format"] == SHARDED:

@@ -1,7 +1,7 @@
 """Checksums: a save hashes every file as it writes it (layout.HashingWriter, no second read) and
 lists them in the tag's manifest, "files": {path in the tag: {"bytes": n, "crc32": hex}}; a load
 verifies each file before it reads it. A checkpoint from a crew before checksums has no "files" and
-loads unchecked. Ranks that read the same file on one machine (the replicated parts, at stages 0-1)
+loads unchecked. Ranks that read the same file on one machine (the replicated parts, at stages 0-2)
 share the work out: each file is hashed once per machine, not once per rank."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def file_digest(path: Path) -> str:
 def identity(path: Path, shared: bool = False) -> tuple:
     """(machine, device, inode, name, size): the same for every rank that reads this very file. The name
     too: some network filesystems (FUSE, 9p) give different files the same inode number. A `shared` file
-    (a ZeRO 2-3 shard: such a checkpoint is on a filesystem every node shares) is one file for every rank
+    (a ZeRO-3 shard: such a checkpoint is on a filesystem every node shares) is one file for every rank
     of every node: it is checked once in the whole job."""
     status = path.stat()
     if shared:

@@ -23,7 +23,7 @@ from crew.runtime.checkpoint.state import merge_state
 MANIFEST = "crew_checkpoint.json"
 MODEL_STATES = "model_states.{part}-of-{parts}.pt"
 CLIENT_STATE = "client_state.pt"
-ENGINE_STATE = "engine_state.pt"  # stages 2-3: what is not in the sharded folder
+ENGINE_STATE = "engine_state.pt"  # stage 3: what is not in the sharded folder
 SHARDED_DIR = "sharded"
 REPLICATED, SHARDED = "replicated", "sharded"  # the manifest's "format"
 CHECKSUM = "crc32"  # the manifest's "files": {name: {"bytes": n, "crc32": hex}}; see README

@@ -31,7 +31,7 @@ from crew.runtime.checkpoint.state import groups_by_name, merge_by_name
 
 
 def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-         load_lr_scheduler_states=True, load_module_only=False):
+         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
     load_dir = Path(load_dir).absolute()
     from_latest = tag is None
     tag = str(tag) if tag is not None else _agreed_latest(load_dir)
@@ -53,12 +53,12 @@ def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_sta
         agree(attempt(_prepare_optimizer_state, engine, states, folder), what)
     # every rank gets here or none: the sharded load below is a collective
     agree(attempt(_load_weights, engine, states, folder, load_module_strict, optimizer,
-                  load_module_only), what)
+                  load_module_only, custom_load_fn), what)
     _load_the_rest(engine, states, load_lr_scheduler_states and not load_module_only, load_module_only)
     log_rank0("loaded checkpoint %s (global step %d)", folder, engine.global_steps)
     if getattr(engine, "training_dataloader", None) is not None and states["rank"] is not None \
             and not load_module_only:
-        log_rank0(_data_position_line(engine.config.checkpoint.resume_data_position))
+        log_rank0(_data_position_line(engine.crew_config.checkpoint.resume_data_position))
     return str(folder), states["client"]
 
 
@@ -153,8 +153,8 @@ def _check_complete(folder: Path, from_latest: bool) -> None:
 
 def _read_shards(engine, folder: Path, states: dict, optimizer: bool) -> None:
     """A sharded checkpoint: only its shapes for a sharded engine (which reads its own pieces
-    later), everything, whole, for an engine at stage 0-1."""
-    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
+    later), everything, whole, for an engine at stage 0-2."""
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stage 3 pays its import
     if engine.zero.shards_params:
         states["shapes"] = checkpoint_sharded.saved_module_shapes(folder, states["verifier"])
         return
@@ -184,21 +184,21 @@ def _check_fits(engine, states: dict, folder: Path, strict: bool) -> None:
 
 def _prepare_optimizer_state(engine, states: dict, folder: Path) -> None:
     """states["optimizer"]: the saved optimizer state in the form this engine loads. Between stages
-    0-1 (by index) and 2-3 (by parameter name) it is converted by parameter name."""
+    0-2 (by index) and 3 (by parameter name) it is converted by parameter name."""
     saved, manifest = states["model"], states["manifest"]
     by_name = manifest["format"] == SHARDED
     if engine.zero.shards_params == by_name:
         states["optimizer"] = saved["optimizer"]
         return
-    if by_name:  # a sharded checkpoint into a stage 0-1 engine
+    if by_name:  # a sharded checkpoint into a stage 0-2 engine
         whole = {"state": merge_by_name(saved["optimizer"]["state_tensors"], saved["optimizer"]["state_other"]),
                  "param_groups": saved["optimizer"]["param_groups"]}
         states["optimizer"] = _by_index(whole, folder, manifest, engine)
-    else:  # a stage 0-1 checkpoint into a sharded engine
+    else:  # a stage 0-2 checkpoint into a sharded engine
         states["optimizer"] = _by_name(saved["optimizer"], saved.get("optimizer_param_names"),
                                        folder, manifest, engine)
-    log_rank0("%s was saved at ZeRO stage %d; loading it at stage %d: optimizer state matched by "
-              "parameter name", folder, manifest["zero_stage"], engine.zero.stage)
+    log_rank0("%s was saved at ZeRO stage %d (%s); loading it at stage %d: optimizer state matched by "
+              "parameter name", folder, manifest["zero_stage"], manifest["format"], engine.zero.stage)
 
 
 def _cross_stage_error(folder: Path, manifest: dict, engine, reason: str) -> CheckpointError:
@@ -211,7 +211,7 @@ def _cross_stage_error(folder: Path, manifest: dict, engine, reason: str) -> Che
 
 
 def _by_name(state: dict, names: list[str] | None, folder: Path, manifest: dict, engine) -> dict:
-    """An optimizer state dict by index (stages 0-1) -> by parameter name."""
+    """An optimizer state dict by index (stages 0-2) -> by parameter name."""
     if names is None:
         raise _cross_stage_error(folder, manifest, engine, "the checkpoint has no parameter names "
                                  "(saved by an older crew, or an optimizer over tensors outside the model)")
@@ -241,18 +241,23 @@ def _by_index(state: dict, folder: Path, manifest: dict, engine) -> dict:
 
 @torch.no_grad()
 def _load_weights(engine, states: dict, folder: Path, strict: bool, optimizer: bool,
-                  module_only: bool) -> None:
-    """Module, precision and (when `optimizer`) optimizer state; a collective at stages 2-3."""
-    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
+                  module_only: bool, custom_load_fn=None) -> None:
+    """Module, precision and (when `optimizer`) optimizer state; a collective at stage 3."""
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stage 3 pays its import
     saved = states["model"]
     optimizer_state = states["optimizer"] if optimizer else None
     if engine.zero.shards_params:
+        if custom_load_fn is not None:
+            raise CheckpointError("load_checkpoint(custom_load_fn=...) at ZeRO stage 3 is not supported yet: crew "
+                                  "loads the shards by parameter name. Load at stage 0-2, or drop custom_load_fn.")
         if states["manifest"]["format"] == SHARDED:
             checkpoint_sharded.load(engine.module, engine.optimizer, folder / SHARDED_DIR, strict,
                                     optimizer_state, states["verifier"])
         else:
             checkpoint_sharded.load_full(engine.module, engine.optimizer, saved["module"],
                                          optimizer_state, strict)
+    elif custom_load_fn is not None:  # DeepSpeed's hook: the caller puts the saved state into the module
+        custom_load_fn(src=saved["module"], dst=engine.module)
     else:
         engine.module.load_state_dict(saved["module"], strict=strict)
     if not module_only:
@@ -263,7 +268,19 @@ def _load_weights(engine, states: dict, folder: Path, strict: bool, optimizer: b
         if name in saved["module"]:
             engine.precision.master_of(param).copy_(saved["module"][name])
     if optimizer_state is not None:
-        engine.optimizer.load_state_dict(optimizer_state)
+        _load_into_same_groups(engine.optimizer, optimizer_state)
+
+
+def _load_into_same_groups(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """torch's load_state_dict puts new dicts in param_groups. At stages 1-2 those are the client optimizer's
+    own dicts, and a scheduler built on it outside the engine (Accelerate's) sets the lr in them, as under
+    DeepSpeed, which loads the client optimizer itself: the saved values go into the same dicts."""
+    groups = optimizer.param_groups
+    optimizer.load_state_dict(state)
+    if optimizer.param_groups is not groups:
+        for group, loaded in zip(groups, optimizer.param_groups, strict=True):
+            group.update(loaded)
+        optimizer.param_groups[:] = groups
 
 
 def _load_the_rest(engine, states: dict, scheduler: bool, module_only: bool) -> None:
@@ -294,7 +311,7 @@ def _restore_rank_state(engine, state: dict) -> None:
     numpy.random.set_state((kind, keys.numpy(), *rest))
     loader = getattr(engine, "training_dataloader", None)
     if loader is not None and state["dataloader"] is not None:
-        if engine.config.checkpoint.resume_data_position:
+        if engine.crew_config.checkpoint.resume_data_position:
             loader.load_state_dict(state["dataloader"])
         else:
             loader.restart_epoch(state["dataloader"])

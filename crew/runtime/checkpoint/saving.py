@@ -34,7 +34,13 @@ from crew.runtime.checkpoint.layout import (
     swap_into_place,
     write_atomic,
 )
-from crew.runtime.checkpoint.state import fp32_module_state, groups_by_name, optimizer_param_names, split_state
+from crew.runtime.checkpoint.state import (
+    fp32_module_state,
+    gathered_masters,
+    groups_by_name,
+    optimizer_param_names,
+    split_state,
+)
 
 
 def default_tag(engine) -> str:
@@ -42,10 +48,10 @@ def default_tag(engine) -> str:
 
 
 def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
-         client_state: dict | None = None, save_latest: bool = True) -> bool:
+         client_state: dict | None = None, save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     save_dir = Path(save_dir).absolute()
     tag = str(tag) if tag is not None else default_tag(engine)
-    if engine.micro_steps % engine.gradient_accumulation_steps():
+    if engine.grads_pending:
         warn_once("save_checkpoint in the middle of gradient accumulation: the gradients of the "
                   "micro steps since the last optimizer step are not saved, so a resume repeats "
                   "them. Save right after the engine.step() that ends an accumulation.")
@@ -54,7 +60,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
     token = _broadcast_token()
     staging = save_dir / f".{tag}.partial-{token}"
     try:
-        _save_staged(engine, save_dir, staging, token, tag, client_state, save_latest)
+        _save_staged(engine, save_dir, staging, token, tag, client_state, save_latest, exclude_frozen_parameters)
     except CheckpointError:
         # a failed save is one CheckpointError on every rank, once all have stopped: each removes its
         # view of the staging folder, so that a full disk is not left fuller; the previous tag and
@@ -63,25 +69,56 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log_rank0("saved checkpoint %s", save_dir / tag)
+    if engine.zero.stage >= 1 and comm.get_rank() == 0:
+        _write_recovery_script(save_dir)
     return True
 
 
+# DeepSpeed copies its zero_to_fp32.py beside the tags (stages 1-3); HF's docs tell users to run it.
+RECOVERY_SCRIPT = """#!/usr/bin/env python
+# Written by crew's save_checkpoint, where DeepSpeed writes its zero_to_fp32.py: the fp32 weights of the
+# checkpoint in this folder (the tag in `latest`, or -t TAG) as one state dict file, e.g.
+#     python zero_to_fp32.py . pytorch_model.bin
+# It needs crew installed: the same as `python -m crew.deepspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT`.
+import runpy
+
+runpy.run_module("crew.deepspeed.utils.zero_to_fp32", run_name="__main__")
+"""
+
+
+def _write_recovery_script(save_dir: Path) -> None:
+    path = save_dir / "zero_to_fp32.py"
+    try:
+        if not path.is_file() or path.read_text() != RECOVERY_SCRIPT:
+            temporary = save_dir / f".zero_to_fp32.py.{secrets.token_hex(4)}"
+            temporary.write_text(RECOVERY_SCRIPT)
+            temporary.chmod(0o755)
+            os.replace(temporary, path)
+    except OSError as exc:  # the checkpoint itself is complete: only the convenience script is missing
+        warn_once(f"save_checkpoint: could not write {path} ({exc}); convert with "
+                  "`python -m crew.deepspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT` instead")
+
+
 def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
-                 client_state: dict | None, save_latest: bool) -> None:
+                 client_state: dict | None, save_latest: bool, exclude_frozen: bool = False) -> None:
     shared = _detect_shared(save_dir, staging, token)
     what = f"save_checkpoint({save_dir}, tag={tag})"
     sharded = engine.zero.shards_params
     if sharded and not shared:
         shutil.rmtree(staging, ignore_errors=True)  # each node's own, holding only the marker
         raise CheckpointError(
-            f"{what}: ZeRO stage 2/3 checkpoints are written as one sharded checkpoint; save_dir "
+            f"{what}: ZeRO stage 3 checkpoints are written as one sharded checkpoint; save_dir "
             f"must be on a filesystem every node shares, and {save_dir} is not (each node sees "
             "only its own files there). Point save_dir at a shared filesystem (NFS, Lustre, ...).")
+    if sharded and exclude_frozen:
+        warn_once("save_checkpoint(exclude_frozen_parameters=True) at ZeRO stage 3 saves the frozen "
+                  "parameters' shards too (crew's sharded checkpoint holds every parameter)")
     part, parts = _my_part(shared, split=engine.zero.stage == 0)
     optimizer_state = None if sharded else _whole_optimizer_state(engine, writer=part is not None)
+    masters = None if sharded else gathered_masters(engine, keep=part is not None)  # stage 2: a collective
     written: dict[str, dict] = {}  # path in the tag -> size and checksum, of this rank's files
     agree(attempt(_write_files, engine, staging, client_state or {}, part, parts, optimizer_state,
-                  written), what)
+                  written, exclude_frozen, masters), what)
     if sharded:
         agree(attempt(_write_shards, engine, staging, written), what)
     hosts = _placement()  # collectives: every rank, before only the writers go on
@@ -152,12 +189,13 @@ def _whole_optimizer_state(engine, writer: bool) -> dict | None:
 
 
 def _write_files(engine, staging: Path, client_state: dict, part: int | None, parts: int,
-                 optimizer_state: dict | None, written: dict) -> None:
-    """client_state, this rank's part of the replicated state (stages 0-1), its rank file."""
+                 optimizer_state: dict | None, written: dict, exclude_frozen: bool = False,
+                 masters: dict | None = None) -> None:
+    """client_state, this rank's part of the replicated state (stages 0-2), its rank file."""
     if part == 0:
         written[CLIENT_STATE] = write_atomic(staging / CLIENT_STATE, data=_client_state_bytes(client_state))
     if part is not None and not engine.zero.shards_params:
-        shard = split_state(_engine_state(engine, optimizer_state), parts)[part]
+        shard = split_state(_engine_state(engine, optimizer_state, exclude_frozen, masters), parts)[part]
         name = MODEL_STATES.format(part=part, parts=parts)
         written[name] = write_atomic(staging / name, obj=shard)
     name = f"rank{comm.get_rank()}.pt"
@@ -165,8 +203,8 @@ def _write_files(engine, staging: Path, client_state: dict, part: int | None, pa
 
 
 def _write_shards(engine, staging: Path, written: dict) -> None:
-    """Stages 2-3: every rank its shards (a collective), then rank 0 the replicated rest."""
-    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stages 2-3 pay its import
+    """Stage 3: every rank its shards (a collective), then rank 0 the replicated rest."""
+    from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stage 3 pays its import
     shards: dict[str, dict] = {}
     optimizer_other = checkpoint_sharded.save(engine.module, engine.optimizer, staging / SHARDED_DIR, shards)
     written.update({f"{SHARDED_DIR}/{name}": entry for name, entry in shards.items()})
@@ -174,7 +212,7 @@ def _write_shards(engine, staging: Path, written: dict) -> None:
         groups = groups_by_name(engine)
         if groups is None:
             raise CheckpointError("the optimizer steps tensors that are not parameters of the model; a "
-                                  "ZeRO stage 2/3 checkpoint stores optimizer state by parameter name")
+                                  "ZeRO stage 3 checkpoint stores optimizer state by parameter name")
         rest = _common_state(engine)
         rest["optimizer"] = {"param_groups": groups, "state_other": optimizer_other}
         written[ENGINE_STATE] = write_atomic(staging / ENGINE_STATE, obj=rest)
@@ -192,12 +230,18 @@ def _client_state_bytes(client_state: dict) -> bytes:
     return buffer.getvalue()
 
 
-def _engine_state(engine, optimizer_state: dict) -> dict:
-    """Stages 0-1: everything but the rank files, whole."""
+def _engine_state(engine, optimizer_state: dict, exclude_frozen: bool = False, masters: dict | None = None) -> dict:
+    """Stages 0-2: everything but the rank files, whole. `exclude_frozen`: without the parameters that do
+    not require grad (DeepSpeed's exclude_frozen_parameters; buffers stay). `masters`: stage 2's fp32
+    masters gathered from their owners."""
+    module = fp32_module_state(engine, masters)
+    if exclude_frozen:
+        frozen = {name for name, param in engine.module.named_parameters() if not param.requires_grad}
+        module = {name: value for name, value in module.items() if name not in frozen}
     return {
-        "module": fp32_module_state(engine),
+        "module": module,
         "optimizer": optimizer_state,
-        "optimizer_param_names": optimizer_param_names(engine),  # to load it at stages 2-3
+        "optimizer_param_names": optimizer_param_names(engine),  # to load it at stage 3
         **_common_state(engine),
     }
 
@@ -214,7 +258,7 @@ def _common_state(engine) -> dict:
         "micro_batch_sizes": engine.balancer.sizes if engine.balancer else None,
         "world_size": engine.world_size,
         "zero_stage": engine.zero.stage,
-        "config": engine.config.raw,
+        "config": engine.crew_config.raw,
         "crew_version": __version__,
     }
 
@@ -263,7 +307,7 @@ def _commit(engine, staging: Path, save_dir: Path, tag: str, save_latest: bool,
     if save_latest:
         write_atomic(save_dir / "latest", data=tag.encode())
         fsync_dir(save_dir)
-    _remove_stale(save_dir, tag, engine.config.checkpoint.keep_last)
+    _remove_stale(save_dir, tag, engine.crew_config.checkpoint.keep_last)
 
 
 def _placement() -> list[str]:

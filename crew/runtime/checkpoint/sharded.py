@@ -1,5 +1,6 @@
-"""ZeRO stages 2-3 checkpoints: the FSDP2-sharded model and optimizer state, by parameter name, in
-one torch.distributed.checkpoint (DCP) folder inside the tag (crew/runtime/checkpoint/ does the rest).
+"""ZeRO stage 3 checkpoints (and the stage 2 ones of earlier crew versions, whose stage 2 was FSDP2
+too): the FSDP2-sharded model and optimizer state, by parameter name, in one
+torch.distributed.checkpoint (DCP) folder inside the tag (crew/runtime/checkpoint/ does the rest).
 
     <tag>/sharded/
       .metadata              global shapes, and where each piece of every tensor lies (rank 0)
@@ -11,9 +12,9 @@ travel in the tag's replicated file. DCP reads `.metadata` with a plain pickle.l
 a crafted checkpoint run code: crew reads it with an unpickler that accepts only DCP's metadata
 classes. Every file is hashed as DCP writes it (its stream goes through layout.HashingWriter) and
 checked, when the tag's manifest lists it, before DCP reads it (integrity.Verifier).
-Shapes are global, so the folder loads on any world size and at stage 2 or 3 alike (both are
-FSDP2): each rank reads only the pieces its own shards need. `read_full` loads whole tensors with
-no process group, for `crew export` and for engines at stages 0-1.
+Shapes are global, so the folder loads on any world size: at stage 3 each rank reads only the pieces
+its own shards need; `read_full` loads whole tensors with no process group, for `crew export` and for
+engines at stages 0-2.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def saved_module_shapes(folder: Path, verifier: Verifier) -> dict[str, tuple[int
 def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, strict: bool,
          optimizer_rest: dict | None, verifier: Verifier) -> None:
     """Load the shards this rank's parameters (and, given `optimizer_rest`, its optimizer state)
-    need, whatever world size and stage 2/3 wrote them. A collective."""
+    need, whatever world size (and FSDP2 stage) wrote them. A collective."""
     entries = saved_entries(folder, verifier)
     model = get_model_state_dict(module)
     if not strict:
@@ -205,7 +206,7 @@ def _check_optimizer_keys(state: dict, entries: dict, folder: Path) -> None:
 
 def load_full(module: torch.nn.Module, optimizer: torch.optim.Optimizer, module_state: dict,
               optimizer_state: dict | None, strict: bool) -> None:
-    """Load whole tensors (every rank holds them all, e.g. from a stage 0-1 checkpoint) into the
+    """Load whole tensors (every rank holds them all, e.g. from a stage 0-2 checkpoint) into the
     shards: module state by name, optimizer state by parameter name (None: module only)."""
     options = StateDictOptions(full_state_dict=True, strict=strict)
     if optimizer_state is None:

@@ -43,9 +43,13 @@ def _nbytes(value) -> int:
 
 def optimizer_param_names(engine) -> list[str] | None:
     """The module's name for each tensor the optimizer steps (its fp32 master under fp16/bf16 at
-    stages 0-1), in param_groups order; None when one of them is not a module parameter."""
+    stages 0-2, or at stage 2 the stand-in of a master another rank keeps), in param_groups order;
+    None when one of them is not a module parameter."""
     names = {id(engine.precision.master_of(param)): name
              for name, param in engine.module.named_parameters()}
+    by_param = {id(param): name for name, param in engine.module.named_parameters()}
+    for stand_in, param in getattr(engine.optimizer, "stand_ins", {}).items():
+        names[stand_in] = by_param.get(id(param))
     found = [names.get(id(param)) for group in engine.optimizer.param_groups for param in group["params"]]
     return None if None in found else found
 
@@ -62,10 +66,21 @@ def groups_by_name(engine) -> list[dict] | None:
             for group in engine.optimizer.param_groups]
 
 
-def fp32_module_state(engine) -> dict[str, torch.Tensor]:
-    """The module's state dict with every parameter as its fp32 master value."""
-    masters = {name: engine.precision.master_of(param)
-               for name, param in engine.module.named_parameters()}
+def gathered_masters(engine, keep: bool = True) -> dict[str, torch.Tensor]:
+    """ZeRO stage 2 under fp16/bf16: every fp32 master, from the rank that keeps it, by parameter
+    name (a collective; {} elsewhere, and on the ranks that do not `keep` them)."""
+    gather = getattr(engine.optimizer, "gather_masters", None)
+    if gather is None:
+        return {}
+    whole = gather(keep)
+    return {name: whole[id(param)] for name, param in engine.module.named_parameters() if id(param) in whole}
+
+
+def fp32_module_state(engine, masters: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The module's state dict with every parameter as its fp32 master value (at ZeRO stage 2 pass
+    `masters` from gathered_masters: this rank keeps only its own)."""
+    masters = {**{name: engine.precision.master_of(param) for name, param in engine.module.named_parameters()},
+               **(masters or {})}
     state = engine.module.state_dict()
     return {name: (masters[name] if name in masters else value).detach().to(
         torch.float32 if value.is_floating_point() else value.dtype).cpu()

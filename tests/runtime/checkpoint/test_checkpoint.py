@@ -212,6 +212,25 @@ def test_a_different_world_size_loads_the_model_and_optimizer(tmp_path):
         assert torch.equal(engine.module.state_dict()[key], value)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_scheduler_on_the_client_optimizer_still_sets_the_lr_after_a_load(tmp_path, stage):
+    """Accelerate keeps a client scheduler outside the engine, on the optimizer the script built; under
+    DeepSpeed, which loads that optimizer itself, it still sets the lr the engine steps with after a load."""
+    import crew
+
+    model = make_model()
+    client = torch.optim.AdamW(model.parameters(), lr=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 1 / (step + 1))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = crew.initialize(model=model, optimizer=client, config=config)
+    engine.save_checkpoint(tmp_path)
+    schedule.step()
+    engine.load_checkpoint(tmp_path)
+    assert engine.get_lr() == [0.01]  # the saved lr
+    schedule.step()
+    assert engine.get_lr() == pytest.approx([0.01 / 3])
+
+
 def test_crew_export_writes_one_fp32_state_dict(tmp_path):
     engine, loader = single_engine(ds_config(bf16={"enabled": True}))
     train(engine, loader, 2)

@@ -3,7 +3,9 @@
 A spawned world costs seconds on two cores, so each runs many checks: one world of two ranks
 trains, saves and resumes at stages 1, 2 and 3 (fp32, bf16, fp16) and loads each checkpoint at other
 stages; the module-scoped fixture keeps what the tests compare, and the checkpoints for the loads on
-one and four ranks and for export.
+one and four ranks and for export. Stage 2 keeps whole parameters and saves like stage 1 (the
+replicated format, its fp32 masters gathered from the ranks that own them); the sharded format it
+wrote when it was FSDP2 still loads.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def train(engine, stream, until_step: int) -> list[float]:
 
 def whole_state(engine) -> dict | None:
     """{"model": fp32 weights, "optim": optimizer state by parameter name}, whole, at any stage
-    (a collective; None on ranks other than 0 at stage 1)."""
+    (a collective; None on ranks other than 0 at stages 1-2)."""
     from crew.runtime.checkpoint import fp32_module_state, optimizer_param_names
+    from crew.runtime.checkpoint.state import gathered_masters
 
     if engine.zero.shards_params:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -73,12 +76,13 @@ def whole_state(engine) -> dict | None:
                                       options=StateDictOptions(full_state_dict=True))
         return copy.deepcopy({"model": model, "optim": optim["state"]})  # "step" is the live tensor
     optimizer = engine.optimizer
+    masters = gathered_masters(engine)  # stage 2 under bf16/fp16: each rank keeps its own masters
     if hasattr(optimizer, "consolidate_state_dict"):
         optimizer.consolidate_state_dict(to=0)
         if engine.global_rank != 0:
             return None
     names = optimizer_param_names(engine)
-    return copy.deepcopy({"model": fp32_module_state(engine),  # a copy: these are the live tensors
+    return copy.deepcopy({"model": fp32_module_state(engine, masters),  # a copy: these are the live tensors
                           "optim": {names[i]: entry for i, entry in optimizer.state_dict()["state"].items()}})
 
 
@@ -182,16 +186,17 @@ def test_manifest_names_stage_and_format(worlds):
         return manifest, {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
 
     common = {"crew_checkpoint.json", "client_state.pt", "rank0.pt", "rank1.pt"}
-    manifest, files = tag(1)
-    assert (manifest["zero_stage"], manifest["format"]) == (1, "replicated")
-    assert files == common | {"model_states.0-of-1.pt"}  # whole, by the rank it was consolidated to
+    for stage in (1, 2):
+        manifest, files = tag(stage)
+        assert (manifest["zero_stage"], manifest["format"]) == (stage, "replicated")
+        assert files == common | {"model_states.0-of-1.pt"}  # whole, by the rank it was consolidated to
     manifest, files = tag(3)
     assert (manifest["zero_stage"], manifest["format"]) == (3, "sharded")
     assert files == common | {"engine_state.pt", "sharded/.metadata", "sharded/__0_0.distcp",
                               "sharded/__1_0.distcp"}  # each rank wrote its own shards
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_manifest_has_every_files_size_and_crc32_from_every_rank(worlds, stage):
     folder = worlds[stage][0] / f"global_step{SAVE_AT}"
     listed = json.loads((folder / "crew_checkpoint.json").read_text())["files"]
@@ -202,7 +207,7 @@ def test_manifest_has_every_files_size_and_crc32_from_every_rank(worlds, stage):
             assert listed[name] == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_load_checks_every_file_it_reads_once_in_the_job(worlds, stage):
     """Stage 3: each rank reads pieces of most shard files (replicated tensors sit in one of them); the
     shard files are split among the ranks all the same, not hashed whole by every rank."""
@@ -257,12 +262,23 @@ def load_elsewhere(rank: int, stage: int, folder: str) -> dict:
     return {"state": state, "scaler": scaler, "steps": steps}
 
 
-def test_stage3_checkpoint_of_two_ranks_loads_at_stage2_on_four(worlds):
+def test_a_sharded_stage2_checkpoint_of_two_ranks_loads_at_stage2_on_four(worlds, tmp_path):
+    """Before stage 2 kept whole parameters it was FSDP2, and saved the sharded format stage 3 saves:
+    such a checkpoint (stage 3's, its manifest saying stage 2) loads into today's stage 2, by name."""
+    import shutil
+
     folder, saved = worlds[3]
-    for result in run_ranks(load_elsewhere, 4, 2, str(folder)):
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    manifest_path = old / f"global_step{SAVE_AT}" / "crew_checkpoint.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["format"] == "sharded"
+    manifest_path.write_text(json.dumps({**manifest, "zero_stage": 2}))
+    results = run_ranks(load_elsewhere, 4, 2, str(old))
+    for result in results:
         assert result["steps"] == SAVE_AT
         assert result["scaler"] == saved[0]["saved_precision"]["loss_scaler"]
-        assert_same_state(result["state"], saved[0]["saved"])
+    assert_same_state(results[0]["state"], saved[0]["saved"])  # consolidated on rank 0, masters gathered
 
 
 def test_stage1_checkpoint_of_two_ranks_loads_on_one_at_stages_0_and_1(worlds):
@@ -416,7 +432,7 @@ def test_a_checkpoint_from_before_the_first_step_leaves_the_optimizer_empty(tmp_
 
 def on_node_local_dirs(rank: int, root: str) -> dict:
     """Each rank sees its own folder at root/ckpt and is alone on its "node", as on two machines
-    without a shared filesystem: stage 1 saves a copy per node; stage 2 refuses to save."""
+    without a shared filesystem: stage 2 (like 0-1) saves a copy per node; stage 3 refuses to save."""
     import ctypes
     import os
     import subprocess
@@ -428,16 +444,16 @@ def on_node_local_dirs(rank: int, root: str) -> dict:
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     ckpt = Path(root) / "ckpt"
 
-    engine, stream = build(zero_config(1))
+    engine, stream = build(zero_config(2, "bf16"))
     train(engine, stream, SAVE_AT)
     engine.save_checkpoint(ckpt)
     continued = train(engine, stream, END)
-    fresh, fresh_stream = build(zero_config(1))
+    fresh, fresh_stream = build(zero_config(2, "bf16"))
     fresh.load_checkpoint(ckpt)
     result = {"continued": continued, "resumed": train(fresh, fresh_stream, END),
               "files": sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*"))}
 
-    engine, stream = build(zero_config(2))
+    engine, stream = build(zero_config(3))
     train(engine, stream, 1)
     try:
         engine.save_checkpoint(ckpt)
@@ -447,7 +463,7 @@ def on_node_local_dirs(rank: int, root: str) -> dict:
     return result
 
 
-def test_without_a_shared_filesystem_stage1_saves_per_node_and_stage2_refuses(tmp_path):
+def test_without_a_shared_filesystem_stage2_saves_per_node_and_stage3_refuses(tmp_path):
     from test_checkpoint_nodes import _isolation_unavailable
 
     reason = _isolation_unavailable()
@@ -458,10 +474,28 @@ def test_without_a_shared_filesystem_stage1_saves_per_node_and_stage2_refuses(tm
     for rank, result in enumerate(run_ranks(on_node_local_dirs, 2, str(tmp_path))):
         assert result["resumed"] == result["continued"]
         tag = f"global_step{SAVE_AT}"
+        recovery = ["zero_to_fp32.py"] if rank == 0 else []  # written by global rank 0, as DeepSpeed's
         assert result["files"] == sorted(["latest", tag, f"{tag}/client_state.pt", f"{tag}/crew_checkpoint.json",
-                                          f"{tag}/model_states.0-of-1.pt", f"{tag}/rank{rank}.pt"])
+                                          f"{tag}/model_states.0-of-1.pt", f"{tag}/rank{rank}.pt", *recovery])
         assert result["error"].startswith("CheckpointError")
-        assert ("ZeRO stage 2/3 checkpoints are written as one sharded checkpoint; save_dir must be on "
+        assert ("ZeRO stage 3 checkpoints are written as one sharded checkpoint; save_dir must be on "
                 f"a filesystem every node shares, and {tmp_path / 'ckpt'} is not") in result["error"]
         assert result["files_after"] == result["files"]  # nothing written, nothing left behind
     assert not list((tmp_path / "ckpt").iterdir())
+
+
+def test_the_recovery_script_beside_the_tags_converts_them(worlds, tmp_path):
+    # DeepSpeed writes zero_to_fp32.py beside the tags at stages 1-3, and HF's docs say to run it
+    import os
+    import subprocess
+    import sys
+
+    folder, ranks = worlds[2]
+    script = folder / "zero_to_fp32.py"
+    assert os.access(script, os.X_OK)
+    proc = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "weights.pt"), "-t",
+                           f"global_step{SAVE_AT}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    converted = torch.load(tmp_path / "weights.pt", weights_only=True)
+    assert converted.keys() == ranks[0]["saved"]["model"].keys()
+    assert all(torch.equal(converted[name], value) for name, value in ranks[0]["saved"]["model"].items())

@@ -102,6 +102,50 @@ def _serve_stacks() -> None:
         pass  # no stacks on request for this rank; the agent sees no handler and does not ask
 
 
+class _AfterImport:
+    """A meta path finder that lets `module` load as usual, then hands it to `patch`; once."""
+
+    def __init__(self, module: str, patch) -> None:
+        self.module, self.patch = module, patch
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.module:
+            return None
+        import importlib.machinery
+
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            load, patch = spec.loader.exec_module, self.patch
+
+            def exec_module(module):
+                load(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _gloo_for_accelerate(state) -> None:
+    """Accelerate's PartialState picks no backend for a rank without a GPU unless told `cpu` (which drops a
+    DeepSpeed config): it then runs each rank as a world of one. Under `crew run --as_deepspeed` on such a
+    machine (CREW_DEEPSPEED_ON_CPU, set by the agent), it gets gloo over the ranks crew started instead."""
+    original = state.PartialState._prepare_backend
+
+    def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        chosen, kind = original(self, cpu, sagemaker_dp, backend)
+        if chosen is None and not cpu and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", state.DistributedType.MULTI_CPU
+        return chosen, kind
+
+    state.PartialState._prepare_backend = _prepare_backend
+
+
+def _serve_accelerate_on_cpu() -> None:
+    if os.environ.get("CREW_DEEPSPEED_ON_CPU") == "1" and "accelerate.state" not in sys.modules:
+        sys.meta_path.insert(0, _AfterImport("accelerate.state", _gloo_for_accelerate))
+
+
 def _run_shadowed() -> None:
     """Run the `sitecustomize` this one hides (a distribution's or a user's), as Python would have."""
     import importlib.machinery
@@ -119,4 +163,5 @@ def _run_shadowed() -> None:
 
 atexit.register(wait_for_gloo_workers)
 _serve_stacks()
+_serve_accelerate_on_cpu()
 _run_shadowed()

@@ -1,0 +1,1 @@
+"""`deepspeed.launcher`: only the constants of `deepspeed.launcher.runner`; the launcher itself is `crew run`."""
