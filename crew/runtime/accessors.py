@@ -319,6 +319,20 @@ class DeepSpeedAccessors:
             state[prefix + name] = value.to(dtype) if value.is_floating_point() else value
         return state
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """zero_optimization.stage3_gather_16bit_weights_on_model_save (or its old fp16 name); False by default."""
+        section = self.crew_config.raw.get("zero_optimization") or {}
+        return bool(section.get("stage3_gather_16bit_weights_on_model_save",
+                                section.get("stage3_gather_fp16_weights_on_model_save", False)))
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's: at stage 3 the whole state dict in the training dtype, on the CPU, on rank 0 (None on the
+        other ranks); every rank must call it. Accelerate's get_state_dict and Trainer's save_model use it."""
+        if not self.zero.shards_params:
+            raise ValueError("this function requires ZeRO-3 mode")
+        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        return {name: value.cpu() for name, value in state.items()} if self.global_rank == 0 else None
+
     def destroy(self) -> None:
         """Release the DDP wrapper, the optimizer state and this engine's entry among the live
         engines. The engine cannot train afterwards; calling it again does nothing."""

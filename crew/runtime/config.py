@@ -295,8 +295,11 @@ _ZERO_DEEPSPEED_ONLY = frozenset({
 # Typed (so a wrong value is an error) but not acted on: listed when set to anything but the default.
 # Pre-dividing is a guard against fp16 overflow in the all-reduce; crew averages in one division.
 _TYPED_NO_EFFECT = {"prescale_gradients": False, "gradient_predivide_factor": 1.0, "wall_clock_breakdown": False}
-# crew/runtime/zero.py reads these (and "wrap", crew's own); the rest of DeepSpeed's ZeRO keys have no effect.
-_ZERO_IMPLEMENTED = frozenset({"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "wrap"})
+# crew/runtime/zero.py reads these (and "wrap", crew's own), the engine the stage3_gather_* ones (Accelerate and
+# Trainer ask it, at stage 3); the rest of DeepSpeed's ZeRO keys have no effect.
+_ZERO_IMPLEMENTED = frozenset({"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "wrap",
+                               "stage3_gather_16bit_weights_on_model_save",
+                               "stage3_gather_fp16_weights_on_model_save"})
 _BF16_KEYS = (frozenset(BF16Config.model_fields), frozenset({
     "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow", "check_overflow",
     "immediate_grad_update"}))

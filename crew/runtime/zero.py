@@ -40,8 +40,6 @@ from crew.runtime.registry import live_engines
 
 WRAP_CHOICES = ("blocks", "children")
 OFFLOAD_ON_CPU = False  # tests: take the offload path on a machine without GPU (masters are then CPU copies)
-# Keys with a torch equivalent; every other zero_optimization key is listed as having no effect.
-IMPLEMENTED_KEYS = frozenset({"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "wrap"})
 _BUCKET_KEYS = ("reduce_bucket_size",)  # stages 0-2: DDP's or stage 2's bucket size; FSDP2 buckets per unit
 
 

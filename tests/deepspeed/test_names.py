@@ -126,14 +126,17 @@ def _train_and_save(stage: int, precision: str, folder: str) -> dict:
     engine.step()
     params = {name: safe_get_full_fp32_param(p) for name, p in engine.module.named_parameters()}
     engine.save_checkpoint(folder)
+    consolidated = None
     if engine.zero.shards_params:
         from crew.runtime.checkpoint.sharded import full_module_state
         weights = full_module_state(engine.module)  # rank 0 only
+        consolidated = engine._zero3_consolidated_16bit_state_dict()  # Accelerate's get_state_dict at stage 3
     else:
         from crew.runtime.checkpoint.state import fp32_module_state, gathered_masters
         weights = fp32_module_state(engine, gathered_masters(engine))  # stage 2: the masters from their owners
     return {"names": names, "grads": grads, "params": params, "weights": dict(weights),
-            "param_dtype": next(engine.module.parameters()).dtype}
+            "param_dtype": next(engine.module.parameters()).dtype, "consolidated": consolidated,
+            "gather_on_save": engine.zero_gather_16bit_weights_on_model_save()}
 
 
 def world(rank: int, folders: list[str]) -> dict:
@@ -204,6 +207,14 @@ def test_full_grads_are_the_same_at_stages_0_2_and_3(ranks):
         torch.testing.assert_close(results[0]["stage0"]["grads"][name], results[0]["stage3"]["grads"][name],
                                    atol=0.05, rtol=0.05)  # bf16 against fp32
         torch.testing.assert_close(results[0]["stage0"]["grads"][name], results[0]["stage2"]["grads"][name])
+
+
+def test_the_stage3_consolidated_state_dict_is_whole_on_rank_0_only(ranks):
+    results, _ = ranks
+    first, second = results[0]["stage3"], results[1]["stage3"]
+    assert second["consolidated"] is None and first["consolidated"].keys() == first["weights"].keys()
+    assert all(torch.equal(first["consolidated"][name], value) for name, value in first["weights"].items())
+    assert not first["gather_on_save"]  # stage3_gather_16bit_weights_on_model_save: False unless set
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
