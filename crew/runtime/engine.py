@@ -147,8 +147,11 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         with self.precision.guard():  # an op with no fp16/bf16 kernel: a clear error, not deep
             if self._ddp is None:
                 return self.module(*args, **kwargs)
-            # DDP's no_sync, across two calls: arm the all-reduce only for the boundary's backward.
-            self._ddp.require_backward_grad_sync = self._armed_sync = self._sync_this_backward()
+            # DDP's no_sync, across two calls: arm the all-reduce only for the boundary's backward. Where the
+            # caller sets the boundary (Accelerate: after this forward) and accumulates, it is not known yet:
+            # the gradients are averaged after the boundary's backward instead, once (as DeepSpeed does).
+            known = self._boundary_override is None or self.gradient_accumulation_steps() == 1
+            self._ddp.require_backward_grad_sync = self._armed_sync = known and self._sync_this_backward()
             return self._ddp(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,

@@ -313,3 +313,43 @@ def test_offloaded_optimizer_steps_the_owned_fp32_masters_and_trains_the_same():
             assert seen[stage]["state_is_the_masters"]
         # each parameter has its fp32 master on exactly one rank (4 parameters in all)
         assert results[0][stage]["own_masters"] + results[1][stage]["own_masters"] == 4
+
+
+def accelerate_resumes(rank: int, folder: str) -> dict:
+    """Accelerate's order, uninterrupted and resumed from steps 1 and 2 in fresh engines: the same weights,
+    bit for bit (the boundary the caller set is part of the checkpoint, so a resumed engine reduces alike)."""
+    import crew
+
+    inputs, targets = make_data()
+
+    def run(engine, steps: range, save_at: int | None = None) -> dict:
+        for step in steps:
+            for m in range(2):
+                start = step * GLOBAL_BATCH + (m * 2 + rank) * 4
+                loss = torch.nn.functional.mse_loss(engine(inputs[start:start + 4]), targets[start:start + 4])
+                engine.set_gradient_accumulation_boundary(m == 1)
+                engine.backward(loss)
+            engine.step()
+            if step + 1 == save_at:
+                engine.save_checkpoint(folder, tag=f"step{save_at}")
+        return copy.deepcopy(engine.module.state_dict())
+
+    ds_config = config(4, 2, 0.5)
+    engine, *_ = crew.initialize(model=make_model(), config=ds_config)
+    seen = {"uninterrupted": run(engine, range(STEPS), save_at=1)}
+    for resume_at in (1, 2):
+        if resume_at == 2:  # a second checkpoint, at an even step, from a run that resumed at 1
+            engine, *_ = crew.initialize(model=make_model(), config=ds_config)
+            engine.load_checkpoint(folder, tag="step1")
+            run(engine, range(1, STEPS), save_at=2)
+        engine, *_ = crew.initialize(model=make_model(), config=ds_config)
+        engine.load_checkpoint(folder, tag=f"step{resume_at}")
+        seen[resume_at] = run(engine, range(resume_at, STEPS))
+    return seen
+
+
+def test_accelerate_order_resumes_bit_for_bit(tmp_path):
+    for seen in run_ranks(accelerate_resumes, 2, str(tmp_path)):
+        for resume_at in (1, 2):
+            for name, value in seen["uninterrupted"].items():
+                assert torch.equal(seen[resume_at][name], value), (resume_at, name)

@@ -292,6 +292,7 @@ def _load_the_rest(engine, states: dict, scheduler: bool, module_only: bool) -> 
     engine.global_steps = saved["global_steps"]
     engine.global_samples = saved["global_samples"]
     engine.micro_steps = saved["micro_steps"]
+    engine._boundary_override = saved.get("boundary_override")  # set_gradient_accumulation_boundary's, sticky
     if engine.balancer is not None:  # before the loader's position: that is counted in micro steps
         engine.balancer.restore(saved.get("micro_batch_sizes"))
     if states["rank"] is None:

@@ -255,6 +255,7 @@ def _common_state(engine) -> dict:
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,
+        "boundary_override": engine._boundary_override,
         "micro_batch_sizes": engine.balancer.sizes if engine.balancer else None,
         "world_size": engine.world_size,
         "zero_stage": engine.zero.stage,
