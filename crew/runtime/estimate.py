@@ -12,9 +12,8 @@ Stage 0 keeps a full copy of everything on each rank. Stage 1 shards the optimiz
 world size, stage 2 also the gradients, stage 3 also the parameters. A shard rounds up, as ZeRO pads
 its partitions to a multiple of the world size. crew's stages follow this: at stage 2 every rank keeps
 every parameter whole and only its own parameters' gradients, fp32 masters and Adam state, as in
-DeepSpeed (its gradient buckets are transient and not counted, see below). One difference: crew's
-stage 1 under fp16/bf16 keeps the fp32 master weights whole on every rank (4 bytes per parameter more
-than the stage-1 rows say).
+DeepSpeed (its gradient buckets are transient and not counted, see below); at stage 1 each rank keeps
+only its own parameters' fp32 masters too.
 
 Offload is DeepSpeed's `offload_optimizer: {device: cpu}` for stages 1-3: the optimizer state (and
 the fp32 master weights with it) lives in CPU memory; at stage 3 `offload_param` moves the parameter

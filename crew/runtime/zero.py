@@ -130,9 +130,10 @@ class Zero:
         # defaults can hold entries the constructor does not take (AdamW: decoupled_weight_decay)
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         try:
-            if self.stage == 2 or self.offload_optimizer:
-                # stage 2, and stage 1 with its masters on the CPU: the owners broadcast the model's
-                # parameters (never the CPU masters, which NCCL cannot send); stage 1 reduces through DDP
+            if self.stage == 2 or self.offload_optimizer or (precision is not None and precision.master_pairs()):
+                # stage 2, and stage 1 with fp32 masters (bf16/fp16: only the owner keeps its masters, as in
+                # DeepSpeed; offload: masters on the CPU, which NCCL cannot send): the owners broadcast the
+                # model's parameters; stage 1 reduces through DDP
                 from crew.runtime import zero_stage2
                 partitioned = zero_stage2.partition(optimizer, cls, defaults, precision, self.bucket_elements,
                                                     self.device, reduce_gradients=self.stage == 2)

@@ -285,16 +285,20 @@ def train_offloaded(rank: int) -> dict:
     import crew
     from crew.runtime import zero
 
-    zero.OFFLOAD_ON_CPU = True
     seen = {}
-    for stage in (1, 2):
-        ds_config = config(4, 2, 0.5, zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}})
+    for stage in (1, 2, "1-bf16"):  # the last without offload: bf16's masters are partitioned at stage 1 too
+        zero.OFFLOAD_ON_CPU = stage != "1-bf16"
+        offload = {"offload_optimizer": {"device": "cpu"}} if zero.OFFLOAD_ON_CPU else {}
+        extra = {"bf16": {"enabled": True}} if stage == "1-bf16" else {}
+        ds_config = config(4, 2, 0.5, zero_optimization={"stage": int(str(stage)[0]), **offload}, **extra)
         engine, *_ = crew.initialize(model=make_model(), config=ds_config)
         inputs, targets = make_data()
         for step in range(STEPS):
             for m in range(2):
                 start = step * GLOBAL_BATCH + (m * 2 + rank) * 4
-                engine.backward(torch.nn.functional.mse_loss(engine(inputs[start:start + 4]), targets[start:start + 4]))
+                dtype = next(engine.module.parameters()).dtype
+                output = engine(inputs[start:start + 4].to(dtype)).float()
+                engine.backward(torch.nn.functional.mse_loss(output, targets[start:start + 4]))
                 engine.step()
         params = list(engine.module.parameters())
         masters = [engine.precision.master_of(p) for p in params]
@@ -304,7 +308,7 @@ def train_offloaded(rank: int) -> dict:
     return seen
 
 
-def test_offloaded_optimizer_steps_the_owned_fp32_masters_and_trains_the_same():
+def test_offloaded_optimizer_and_stage1_bf16_keep_each_fp32_master_on_its_owner_only():
     expected = train_plain_torch(0.5)
     results = run_ranks(train_offloaded, 2)
     for stage in (1, 2):
@@ -313,6 +317,8 @@ def test_offloaded_optimizer_steps_the_owned_fp32_masters_and_trains_the_same():
             assert seen[stage]["state_is_the_masters"]
         # each parameter has its fp32 master on exactly one rank (4 parameters in all)
         assert results[0][stage]["own_masters"] + results[1][stage]["own_masters"] == 4
+    assert results[0]["1-bf16"]["own_masters"] + results[1]["1-bf16"]["own_masters"] == 4
+    assert all(seen["1-bf16"]["state_is_the_masters"] for seen in results)
 
 
 def accelerate_resumes(rank: int, folder: str) -> dict:
