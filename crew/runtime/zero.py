@@ -1,7 +1,9 @@
 """ZeRO stages 0-3 on torch's own machinery, from DeepSpeed's `zero_optimization` section.
 
     stage 0   DistributedDataParallel: replicated parameters, gradients and optimizer state
-    stage 1   DDP + ZeroRedundancyOptimizer: each rank keeps and steps 1/N of the optimizer state
+    stage 1   DDP + ZeroRedundancyOptimizer: each rank keeps and steps 1/N of the optimizer state (under
+              fp16/bf16 or offload_optimizer, stage 2's optimizer without its gradient hooks: the fp32
+              masters too are kept only by their owner)
     stage 2   whole parameters on every rank, as in DeepSpeed; each parameter's gradient, fp32 master
               (fp16/bf16) and optimizer state kept only by the rank that owns it (ZeroRedundancyOptimizer's
               split); gradients averaged into the owners on every micro step (zero_stage2.py)

@@ -3,7 +3,8 @@
 Each trainable parameter has one owner rank, ZeroRedundancyOptimizer's split (whole parameters, balanced
 by size). The owner alone keeps its gradient, its fp32 master copy (under fp16/bf16) and its optimizer
 state; every rank keeps every parameter whole, so `model.parameters()` and `model.state_dict()` are the
-full, equal tensors on every rank.
+full, equal tensors on every rank. Stage 1 under fp16/bf16 (or with offload_optimizer: the masters on the
+CPU) uses the same optimizer without the gradient hooks: DDP averages the gradients there.
 
     backward   each parameter's gradient, as autograd finishes it (a post-accumulate-grad hook), is
                taken from `.grad` into its bucket; a full bucket is averaged over the ranks (large
