@@ -228,33 +228,6 @@ def test_the_process_group_is_destroyed_at_exit_while_python_is_whole(tmp_path):
     assert "group during run: True" in proc.stdout and "group at exit: False" in proc.stdout
 
 
-def train_like_accelerate(rank: int, ds_config: dict, steps: int = STEPS) -> dict:
-    """Accelerate's DeepSpeedEngineWrapper: the boundary is set after the forward, right before backward, and
-    step() is called on the boundary only."""
-    import crew
-
-    engine, _, _, _ = crew.initialize(model=make_model(), config=ds_config)
-    inputs, targets = make_data(steps)
-    micro, world, accumulation = engine.train_micro_batch_size_per_gpu(), engine.world_size, 2
-    for step in range(steps):
-        for m in range(accumulation):
-            start = step * GLOBAL_BATCH + (m * world + rank) * micro
-            loss = torch.nn.functional.mse_loss(engine(inputs[start:start + micro]), targets[start:start + micro])
-            engine.set_gradient_accumulation_boundary(m == accumulation - 1)
-            engine.backward(loss)
-            if m == accumulation - 1:
-                engine.step()
-    return {"params": copy.deepcopy(engine.module.state_dict()), "steps": engine.global_steps}
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-def test_boundary_set_after_the_forward_still_averages_gradients(stage):
-    expected = train_plain_torch(0.5)
-    for result in run_ranks(train_like_accelerate, 2, config(4, 2, 0.5, zero_optimization={"stage": stage})):
-        assert_same_params(result["params"], expected)
-        assert result["steps"] == STEPS
-
-
 def test_model_only_engine_and_deepspeeds_engine_attributes():
     import math
 
@@ -322,8 +295,9 @@ def test_offloaded_optimizer_and_stage1_bf16_keep_each_fp32_master_on_its_owner_
 
 
 def accelerate_resumes(rank: int, folder: str) -> dict:
-    """Accelerate's order, uninterrupted and resumed from steps 1 and 2 in fresh engines: the same weights,
-    bit for bit (the boundary the caller set is part of the checkpoint, so a resumed engine reduces alike)."""
+    """Accelerate's order (the boundary set after the forward, step() on the boundary only) at stages 1 and 2,
+    and at stage 1 resumed from steps 1 and 2 in fresh engines (the boundary the caller set is part of the
+    checkpoint, so a resumed engine reduces alike)."""
     import crew
 
     inputs, targets = make_data()
@@ -340,9 +314,11 @@ def accelerate_resumes(rank: int, folder: str) -> dict:
                 engine.save_checkpoint(folder, tag=f"step{save_at}")
         return copy.deepcopy(engine.module.state_dict())
 
-    ds_config = config(4, 2, 0.5)
+    stage2 = config(4, 2, 0.5, zero_optimization={"stage": 2})
+    seen = {"stage2": run(crew.initialize(model=make_model(), config=stage2)[0], range(STEPS))}
+    ds_config = config(4, 2, 0.5, zero_optimization={"stage": 1})
     engine, *_ = crew.initialize(model=make_model(), config=ds_config)
-    seen = {"uninterrupted": run(engine, range(STEPS), save_at=1)}
+    seen["uninterrupted"] = run(engine, range(STEPS), save_at=1)
     for resume_at in (1, 2):
         if resume_at == 2:  # a second checkpoint, at an even step, from a run that resumed at 1
             engine, *_ = crew.initialize(model=make_model(), config=ds_config)
@@ -354,8 +330,11 @@ def accelerate_resumes(rank: int, folder: str) -> dict:
     return seen
 
 
-def test_accelerate_order_resumes_bit_for_bit(tmp_path):
+def test_accelerate_order_averages_once_per_step_and_resumes_bit_for_bit(tmp_path):
+    expected = train_plain_torch(0.5)  # one process, the 16 samples of each step at once
     for seen in run_ranks(accelerate_resumes, 2, str(tmp_path)):
+        assert_same_params(seen["uninterrupted"], expected)
+        assert_same_params(seen["stage2"], expected)
         for resume_at in (1, 2):
             for name, value in seen["uninterrupted"].items():
                 assert torch.equal(seen[resume_at][name], value), (resume_at, name)
