@@ -58,7 +58,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.device = _device(self.local_rank)
         self.zero = zero.Zero(config.zero_optimization, self.world_size, self.device)
         self.precision: Precision = make_precision(config.fp16, config.bf16, sharded=self.zero.shards_params,
-                                                   offload=self.zero.offload_optimizer)
+                                                   offload=self.zero.offload if self.zero.offload_optimizer else None)
         self.balancer = balance.make(config, self.global_rank, self.device, self.zero.stage)
         self.module, replaced = self._place(model)
         self._ddp = self.zero.wrap_ddp(model)

@@ -317,10 +317,11 @@ class Precision:
 class _MasterWeights(Precision):
     """bf16 (and the base of fp16): low-precision model, fp32 master copies that the optimizer steps."""
 
-    def __init__(self, dtype: torch.dtype, master_device: torch.device | None = None) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
-        self.master_device = master_device  # None: the parameter's own; the CPU when the optimizer is offloaded
+        self.master_device: torch.device | None = None  # None: the parameter's; the CPU when offloaded
+        self.pin_masters = False  # offload_optimizer.pin_memory: page-locked CPU masters, for full-speed copies
         self._masters: list[torch.nn.Parameter] = []
         self._with_master: list[torch.nn.Parameter] = []  # the model params of _masters, in order
         self._master_of: dict[int, torch.nn.Parameter] = {}
@@ -340,8 +341,8 @@ class _MasterWeights(Precision):
             if id(param) not in self._master_of:
                 device = self.master_device or param.device
                 master = param.detach().to(device, torch.float32, copy=True)
-                if device.type == "cpu" and param.device.type == "cuda":
-                    master = master.pin_memory()  # page-locked: the copies to and from the GPU run at full speed
+                if self.pin_masters and device.type == "cpu" and param.device.type == "cuda":
+                    master = master.pin_memory()
                 master = torch.nn.Parameter(master)
                 self._master_of[id(param)] = master
                 self._model_params.append(param)
@@ -440,8 +441,8 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 class _Fp16(_MasterWeights):
     """fp16: bf16's master weights plus a loss scale, and steps skipped on inf/nan gradients."""
 
-    def __init__(self, scaler: LossScaler, master_device: torch.device | None = None) -> None:
-        super().__init__(torch.float16, master_device)
+    def __init__(self, scaler: LossScaler) -> None:
+        super().__init__(torch.float16)
         self.scaler = scaler
 
     @property
@@ -579,10 +580,10 @@ def _make_scaler(fp16: Any) -> LossScaler:
                              consecutive_hysteresis=bool(fp16.consecutive_hysteresis))
 
 
-def make_precision(fp16_config: Any, bf16_config: Any, sharded: bool = False, offload: bool = False) -> Precision:
+def make_precision(fp16_config: Any, bf16_config: Any, sharded: bool = False, offload: dict | None = None) -> Precision:
     """The Precision for the config's fp16 / bf16 sections (either may be None: disabled);
-    `sharded`: for ZeRO stage 3, where FSDP2 does the casting; `offload`: the fp32 masters (in fp32
-    training too) on the CPU, where the optimizer steps them (ZeRO stages 1-2)."""
+    `sharded`: for ZeRO stage 3, where FSDP2 does the casting; `offload` ({"pin_memory": bool}): the fp32
+    masters (in fp32 training too) on the CPU, where the optimizer steps them (ZeRO stages 1-2)."""
     fp16_on = bool(getattr(fp16_config, "enabled", False))
     bf16_on = bool(getattr(bf16_config, "enabled", False))
     if fp16_on and bf16_on:
@@ -592,9 +593,8 @@ def make_precision(fp16_config: Any, bf16_config: Any, sharded: bool = False, of
     if sharded and (fp16_on or bf16_on):
         return _Sharded(torch.float16, _make_scaler(fp16_config)) if fp16_on \
             else _Sharded(torch.bfloat16, None)
-    host = torch.device("cpu") if offload else None
-    if fp16_on:
-        return _Fp16(_make_scaler(fp16_config), host)
-    if bf16_on:
-        return _MasterWeights(torch.bfloat16, host)
-    return _MasterWeights(torch.float32, host) if offload else Precision()
+    precision = _Fp16(_make_scaler(fp16_config)) if fp16_on else _MasterWeights(torch.bfloat16) if bf16_on \
+        else _MasterWeights(torch.float32) if offload else Precision()
+    if offload:
+        precision.master_device, precision.pin_masters = torch.device("cpu"), offload["pin_memory"]
+    return precision

@@ -228,7 +228,7 @@ def test_the_process_group_is_destroyed_at_exit_while_python_is_whole(tmp_path):
     assert "group during run: True" in proc.stdout and "group at exit: False" in proc.stdout
 
 
-def test_model_only_engine_and_deepspeeds_engine_attributes():
+def test_model_only_engine_and_deepspeeds_engine_attributes(tmp_path):
     import math
 
     import crew
@@ -247,6 +247,12 @@ def test_model_only_engine_and_deepspeeds_engine_attributes():
     engine.backward(loss)
     with pytest.raises(ConfigError, match="engine.step\\(\\) needs an optimizer"):
         engine.step()
+    engine.zero_grad()
+    assert engine.save_checkpoint(tmp_path) is True  # the module (and no optimizer state) is saved
+    with torch.no_grad():
+        model[0].weight.zero_()
+    path, _ = engine.load_checkpoint(tmp_path)
+    assert path is not None and model[0].weight.abs().sum() > 0  # the weights came back
     assert not engine.is_compiled
     engine.compile(backend="eager")
     assert engine.is_compiled and torch.allclose(engine(torch.ones(4, 8)), model(torch.ones(4, 8)))

@@ -70,12 +70,14 @@ def rank_env(job: JobSpec, node_rank: int, local_rank: int, base: dict[str, str]
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // len(node.ranks))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("PYTHONFAULTHANDLER", "1")  # SIGABRT prints every thread's stack: see Supervisor
-    if not has_gpu() and job.as_deepspeed:
-        # Accelerate's state finds no GPU backend and says world size 1; ACCELERATE_USE_CPU would fix that but
-        # drop the DeepSpeed config. crew's rank site gives Accelerate gloo instead (sitecustomize.py).
-        env["CREW_DEEPSPEED_ON_CPU"] = "1"
-    elif not has_gpu():  # else Accelerate's state finds no GPU backend and says world size 1 (its state.py)
-        env.setdefault("ACCELERATE_USE_CPU", "true")
+    # Without a GPU Accelerate's state finds no backend and says world size 1 (its state.py). ACCELERATE_USE_CPU
+    # makes it MULTI_CPU over gloo, but drops a DeepSpeed config: under --as_deepspeed crew's rank site gives
+    # Accelerate gloo instead (site/sitecustomize.py).
+    if not has_gpu():
+        if job.as_deepspeed:
+            env["CREW_DEEPSPEED_ON_CPU"] = "1"
+        else:
+            env.setdefault("ACCELERATE_USE_CPU", "true")
     # as_deepspeed: this node's crew answers `import deepspeed` (crew/deepspeed/alias.py)
     shim = DEEPSPEED_SHIM if job.as_deepspeed else None
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [RANK_SITE, shim, env.get("PYTHONPATH")]))

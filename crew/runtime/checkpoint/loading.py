@@ -43,7 +43,7 @@ def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_sta
     agree(same_everywhere(tag, "tag"), f"load_checkpoint({load_dir})")
     folder = load_dir / str(tag)
     what = f"load_checkpoint({load_dir}, tag={tag})"
-    optimizer = load_optimizer_states and not load_module_only
+    optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     states: dict = {}
     agree(attempt(_locate, engine, folder, states, from_latest), what)
     agree(attempt(_verify, states, share_out(states.get("identities", []))), what)
@@ -267,7 +267,7 @@ def _load_weights(engine, states: dict, folder: Path, strict: bool, optimizer: b
     for name, param in engine.module.named_parameters():
         if name in saved["module"]:
             engine.precision.master_of(param).copy_(saved["module"][name])
-    if optimizer_state is not None:
+    if optimizer_state is not None and optimizer_state["param_groups"]:  # none: saved by a model-only engine
         _load_into_same_groups(engine.optimizer, optimizer_state)
 
 

@@ -110,6 +110,9 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
             f"{what}: ZeRO stage 3 checkpoints are written as one sharded checkpoint; save_dir "
             f"must be on a filesystem every node shares, and {save_dir} is not (each node sees "
             "only its own files there). Point save_dir at a shared filesystem (NFS, Lustre, ...).")
+    if sharded and engine.optimizer is None:
+        raise CheckpointError(f"{what}: a model-only engine (no optimizer) cannot save a ZeRO stage 3 checkpoint "
+                              "yet. Save its weights with engine.save_16bit_model(save_dir) instead.")
     if sharded and exclude_frozen:
         warn_once("save_checkpoint(exclude_frozen_parameters=True) at ZeRO stage 3 saves the frozen "
                   "parameters' shards too (crew's sharded checkpoint holds every parameter)")
@@ -175,6 +178,8 @@ def _whole_optimizer_state(engine, writer: bool) -> dict | None:
     """The optimizer's state dict on the ranks that write it. ZeroRedundancyOptimizer (stage 1)
     holds 1/N of it on each rank: it is consolidated on each writer in turn (a collective)."""
     optimizer = engine.optimizer
+    if optimizer is None:  # a model-only engine (initialize without an optimizer): nothing to save
+        return {"state": {}, "param_groups": []} if writer else None
     if not hasattr(optimizer, "consolidate_state_dict"):
         return optimizer.state_dict() if writer else None
     state = None

@@ -44,7 +44,9 @@ def _nbytes(value) -> int:
 def optimizer_param_names(engine) -> list[str] | None:
     """The module's name for each tensor the optimizer steps (its fp32 master under fp16/bf16 at
     stages 0-2, or at stage 2 the stand-in of a master another rank keeps), in param_groups order;
-    None when one of them is not a module parameter."""
+    None when one of them is not a module parameter, or there is no optimizer."""
+    if engine.optimizer is None:
+        return None
     names = {id(engine.precision.master_of(param)): name
              for name, param in engine.module.named_parameters()}
     by_param = {id(param): name for name, param in engine.module.named_parameters()}
