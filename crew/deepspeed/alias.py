@@ -19,6 +19,7 @@ ALIASES = {
     "deepspeed": "crew.deepspeed",
     "deepspeed.comm": "crew.runtime.comm",
     "deepspeed.zero": "crew.runtime.zero",
+    "deepspeed.runtime.zero": "crew.runtime.zero",
 }
 
 
@@ -27,6 +28,12 @@ def crew_module_for(name: str) -> str:
     if name in ALIASES:
         return ALIASES[name]
     inner = name.removeprefix("deepspeed.")
+    for alias, target in ALIASES.items():
+        if alias != "deepspeed" and name.startswith(f"{alias}."):  # deepspeed.runtime.zero.partition_parameters
+            candidate = target + name.removeprefix(alias)
+            if importlib.util.find_spec(candidate):
+                return candidate
+            raise UnsupportedModule(unsupported(inner), name=name)
     candidate = f"crew.deepspeed.{inner}"
     if importlib.util.find_spec(candidate.rpartition(".")[0]) and importlib.util.find_spec(candidate):
         return candidate  # e.g. deepspeed.moe.utils, which scripts import even without MoE

@@ -209,7 +209,7 @@ class DeepSpeedAccessors:
         tensor until get_global_grad_norm() asks: no device sync on the step."""
         max_norm = self.crew_config.gradient_clipping
         if self.zero.partitioned and self.world_size > 1:  # each rank holds its own part; summed across ranks
-            from crew.runtime.zero_stage2 import clip_across_ranks
+            from crew.runtime.zero.stage2 import clip_across_ranks
             norm = clip_across_ranks(params, max_norm, self.device)
         elif max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

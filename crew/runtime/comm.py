@@ -126,7 +126,9 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
 def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group=None,
                            async_op: bool = False):
     if dist.is_initialized():
-        return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+        # torch 2.13 renamed it (the old name warns); same arguments
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return gather(output_tensor, tensor, group=group, async_op=async_op)
     output_tensor.copy_(tensor.reshape(output_tensor.shape))
     return None
 

@@ -147,7 +147,7 @@ class WandbConfig(BaseModel):
 
 
 class ZeroConfig(BaseModel):
-    """Only `stage` is typed; the other keys are kept in `model_extra` and read by crew/runtime/zero.py."""
+    """Only `stage` is typed; the other keys are kept in `model_extra` and read by crew/runtime/zero/."""
 
     model_config = ConfigDict(strict=True, extra="allow", frozen=True)
     stage: int = Field(0, ge=0, le=3, description="0 off, 1 optimizer state, 2 +gradients, 3 +parameters.")
@@ -295,7 +295,7 @@ _ZERO_DEEPSPEED_ONLY = frozenset({
 # Typed (so a wrong value is an error) but not acted on: listed when set to anything but the default.
 # Pre-dividing is a guard against fp16 overflow in the all-reduce; crew averages in one division.
 _TYPED_NO_EFFECT = {"prescale_gradients": False, "gradient_predivide_factor": 1.0, "wall_clock_breakdown": False}
-# crew/runtime/zero.py reads these (and "wrap", crew's own), the engine the stage3_gather_* ones (Accelerate and
+# crew/runtime/zero/ reads these (and "wrap", crew's own), the engine the stage3_gather_* ones (Accelerate and
 # Trainer ask it, at stage 3); the rest of DeepSpeed's ZeRO keys have no effect.
 _ZERO_IMPLEMENTED = frozenset({"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "wrap",
                                "stage3_gather_16bit_weights_on_model_save",

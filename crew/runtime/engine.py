@@ -9,8 +9,8 @@ At ZeRO stages 0-1 gradients are averaged across ranks by DistributedDataParalle
 all-reduce, which runs during the boundary micro step's backward; non-boundary micro steps skip it
 (DDP `no_sync`). Stage 1 steps the optimizer through ZeroRedundancyOptimizer. Stage 2 keeps whole
 parameters too, and averages each micro step's gradients into the rank that owns each parameter
-(hooks, crew/runtime/zero_stage2.py); stage 3 shards the model with FSDP2, which reduce-scatters on
-every micro step (crew/runtime/zero.py).
+(hooks, crew/runtime/zero/stage2.py); stage 3 shards the model with FSDP2, which reduce-scatters on
+every micro step (crew/runtime/zero/).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from crew.runtime.monitor import Monitor, step_events
 from crew.runtime.optim import build_optimizer, build_scheduler
 from crew.runtime.precision import Precision, make_precision
 from crew.runtime.progress import show_step
-from crew.runtime.zero_stage2 import chunks
+from crew.runtime.zero.stage2 import chunks
 
 @atexit.register
 def _release_process_group() -> None:
@@ -99,16 +99,16 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
     # -- set-up -------------------------------------------------------------------------------
 
     def _place(self, model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
-        """Cast and move (stages 0-2) or shard (stage 3) the model; a model built under
-        zero.Init is materialised here. Returns it and {id(param before): param after}."""
+        """Cast and move (stages 0-2) or shard (stage 3, one unit at a time) the model; a model built
+        partitioned under zero.Init is gathered whole at stages 0-2. Returns it and {id(param before): param
+        after}."""
         if self.zero.shards_params:
-            if not zero.is_deferred(model):
-                model.to(self.device)
+            replaced = self.zero.shard(model, self.precision.sharded_compute_dtype)
             self.precision.cast_module(model)  # checks the dtype's kernels; FSDP2 does the casting
-            return model, self.zero.shard(model, self.precision.sharded_compute_dtype)
-        replaced = zero.materialise(model, self.device)
+            return model, replaced
+        self.zero.make_whole(model)
         self.precision.cast_module(model)
-        return model.to(self.device), replaced
+        return model.to(self.device), {}
 
     def _optimizer(self, client, model_parameters, replaced: dict) -> torch.optim.Optimizer:
         section = self.crew_config.optimizer

@@ -354,7 +354,7 @@ def test_ignored_keys_inside_sections_in_the_users_order(no_warnings):
             "activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": False}}
     assert ignored_keys(Config.from_dict(data, world_size=1)) == [
         "flops_profiler", "fp16.fused_mode", "bf16.immediate_grad_update",
-        "zero_optimization.stage3_prefetch_bucket_size",  # offload_optimizer: crew/runtime/zero.py reads it
+        "zero_optimization.stage3_prefetch_bucket_size",  # offload_optimizer: crew/runtime/zero/ reads it
         "activation_checkpointing.partition_activations"]  # deepspeed.checkpointing reads the rest
 
 

@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (crew/runtime/zero.py, zero_stage2.py) in real gloo processes: stage 0's losses, stage 2's
+"""ZeRO stages 1-3 (crew/runtime/zero/) in real gloo processes: stage 0's losses, stage 2's
 whole parameters and partitioned gradients, the memory each stage's theory promises, zero.Init,
 GatheredParameters, and the zero_optimization keys."""
 
@@ -111,7 +111,7 @@ def stage2_fp32(rank: int) -> dict:
     """fp32 at stage 2: who holds which .grad after each backward, the norms, the whole parameters.
     Weights (256 elements) are reduced and broadcast in place here, biases flattened."""
     import crew
-    from crew.runtime import zero_stage2
+    from crew.runtime.zero import stage2 as zero_stage2
 
     zero_stage2.OWN_COLLECTIVE = 64
     torch.manual_seed(0)
@@ -139,7 +139,7 @@ def stage2_fp16_overflow(rank: int) -> dict:
     """fp16 at stage 2: an inf in rank 1's input at step 2 skips that step on both ranks; the fp32
     masters, each on one rank, gathered whole (weights broadcast in place, biases flattened)."""
     import crew
-    from crew.runtime import zero_stage2
+    from crew.runtime.zero import stage2 as zero_stage2
     from crew.runtime.checkpoint.state import gathered_masters
 
     zero_stage2.OWN_COLLECTIVE = 64
@@ -315,83 +315,145 @@ def test_bytes_per_rank_match_each_stages_theory_within_10_percent(world):
 
 # -- zero.Init --------------------------------------------------------------------------------
 
+class NoReset(torch.nn.Module):
+    """A module with no reset_parameters() (as GPT-2's Conv1D): its __init__ alone sets its values."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(width))
+
+
+class Tower(torch.nn.Module):
+    """A parent that re-initialises its children with apply() in its own __init__, as HF models did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.gain = NoReset(1)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.gain.scale
+
+
 def init_then_train(rank: int, stage: int) -> dict:
     import crew
 
     torch.manual_seed(0)
+    expected = {name: p.detach().clone() for name, p in Tower().named_parameters()}
+    torch.manual_seed(0 if rank == 0 else 7)  # rank 1 draws other values: rank 0's must win
     with crew.zero.Init():
-        deferred = make_model()
-    on_meta = all(p.is_meta for p in deferred.parameters())
-    torch.manual_seed(0)
-    expected = {name: p.detach().clone() for name, p in make_model().named_parameters()}
-    engine, _, _, _ = crew.initialize(model=deferred, config=config(stage))
-    materialised = full_params(engine.module)
+        built = Tower()
+    placeholders = {name: (p.numel(), p.ds_tensor.numel(), tuple(p.ds_shape), p.ds_status.name)
+                    for name, p in built.named_parameters()}
+    engine, _, _, _ = crew.initialize(model=built, config=config(stage))
+    trained_from = full_params(engine.module)
     engine.backward(engine(torch.randn(MICRO, 16)).pow(2).mean())
     engine.step()
-    return {"on_meta": on_meta, "expected": expected, "materialised": materialised}
+    return {"placeholders": placeholders, "expected": expected, "trained_from": trained_from}
 
 
-def init_at_stages_3_and_0(rank: int) -> list[dict]:
-    return [init_then_train(rank, stage) for stage in (3, 0)]
+def init_peak_bytes(rank: int) -> dict:
+    """The peak of live tensor bytes while a 64 MiB model of 1 MiB layers is built under zero.Init, and
+    outside it (torch's MemTracker counts tensors, not the C allocator's pages)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-
-def test_zero_init_builds_on_meta_and_materialises_the_same_weights_on_every_rank():
-    for result in [r for rank in run_ranks(init_at_stages_3_and_0, WORLD) for r in rank]:
-        assert result["on_meta"]
-        assert result["materialised"].keys() == result["expected"].keys()
-        for name, value in result["expected"].items():
-            torch.testing.assert_close(result["materialised"][name], value, rtol=0, atol=0)
-
-
-class NoReset(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.ones(3))
-
-
-def test_zero_init_names_modules_it_cannot_initialise():
     import crew
-    from crew.errors import CrewError
 
-    with crew.zero.Init():
-        model = torch.nn.Sequential(torch.nn.Linear(3, 3), NoReset())
-    with pytest.raises(CrewError, match=r"NoReset own parameters or buffers but have no reset_parameters"):
-        crew.initialize(model=model, config=config(3))
+    def big() -> torch.nn.Module:
+        return torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(64)])
+
+    peaks = {}
+    for where in ("under_init", "outside"):
+        tracker = MemTracker()
+        with tracker, crew.zero.Init(enabled=where == "under_init"):
+            model = big()
+        peaks[where] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        if where == "under_init":
+            peaks["kept"] = sum(p.ds_tensor.numel() * 4 for p in model.parameters())
+    return peaks
+
+
+def init_cases(rank: int) -> list[dict]:
+    return [init_then_train(rank, stage) for stage in (3, 0)] + [init_peak_bytes(rank)]
+
+
+def test_zero_init_partitions_each_module_as_built_with_rank_0s_values_and_never_holds_the_model_whole():
+    for rank in run_ranks(init_cases, WORLD):
+        *trained, memory = rank
+        for result in trained:
+            for name, (numel, piece, shape, status) in result["placeholders"].items():
+                value = result["expected"][name]
+                assert (numel, shape, status) == (0, tuple(value.shape), "NOT_AVAILABLE"), name
+                assert piece == -(-value.numel() // WORLD), name
+            assert result["trained_from"].keys() == result["expected"].keys()
+            for name, value in result["expected"].items():  # apply() in __init__ reached the pieces too
+                torch.testing.assert_close(result["trained_from"][name], value, rtol=0, atol=0)
+        model_bytes = 64 * 512 * 512 * 4
+        assert memory["kept"] == model_bytes // WORLD
+        assert memory["under_init"] < 0.55 * model_bytes, memory  # its half, plus one layer while it is split
+        assert memory["outside"] >= model_bytes, memory  # the measure sees a whole model
 
 
 # -- GatheredParameters -----------------------------------------------------------------------
 
 def gather_and_modify(rank: int, stage: int, precision: str | None) -> dict:
     import crew
+    from crew.errors import CrewError
 
     torch.manual_seed(0)
     extra = {precision: {"enabled": True}} if precision else {}
     engine, _, _, _ = crew.initialize(model=make_model(), config=config(stage, **extra))
     first = engine.module[0][0]
-    with crew.zero.GatheredParameters([first.weight, first.bias], modifier_rank=None) as whole:
-        shapes = (tuple(first.weight.shape), tuple(whole[0].shape))
-        first.weight.data.fill_(5.0)  # dropped: no modifier rank
+    weight = first.weight  # held across the block, as DeepSpeed-Chat's save_zero_three_model does
+    before = full_params(engine.module)["0.0.weight"]
+    fetch = [p for p in (weight, None, first.bias) if p is not None and hasattr(p, "ds_id")
+             and p.ds_status.name == "NOT_AVAILABLE"]
+    with crew.zero.GatheredParameters(fetch, modifier_rank=None):
+        seen = (tuple(first.weight.shape), type(weight.data.cpu()).__name__, weight.data.numel())
+        first.weight.data.fill_(5.0)  # dropped at stage 3: no modifier rank
     after_dropped = full_params(engine.module)["0.0.weight"]
-    with crew.zero.GatheredParameters(first.weight, modifier_rank=0):
-        first.weight.data.fill_(float(rank + 1))  # rank 0 writes 1.0; rank 1's 2.0 must lose
+    with crew.zero.GatheredParameters(weight, modifier_rank=0):
+        first.weight.data.fill_(float(rank + 1))  # stage 3: rank 0 writes 1.0; rank 1's 2.0 must lose
     after_written = full_params(engine.module)["0.0.weight"]
-    master = engine.precision.master_of(first.weight)
+    master = engine.precision.master_of(weight)
     master_value = (master.full_tensor() if hasattr(master, "full_tensor") else master).detach().float()
-    return {"shapes": shapes, "after_dropped": after_dropped, "after_written": after_written,
-            "master": master_value}
+    ones = torch.ones(2, 16, dtype=first.weight.dtype)
+    with torch.no_grad():
+        outside = tuple(first(ones).shape)  # a submodule called outside the engine's forward
+    try:
+        first(ones)
+        with_grad = None
+    except CrewError as error:
+        with_grad = str(error)
+    return {"fetched": len(fetch), "seen": seen, "before": before, "after_dropped": after_dropped,
+            "after_written": after_written, "master": master_value, "outside": outside, "with_grad": with_grad}
 
 
 def gather_at_every_stage(rank: int) -> list[dict]:
     return [gather_and_modify(rank, stage, precision)
-            for stage, precision in [(3, None), (2, "bf16"), (0, "bf16"), (1, None)]]
+            for stage, precision in [(3, None), (3, "bf16"), (2, "bf16"), (0, None)]]
 
 
 def test_gathered_parameters_show_whole_tensors_and_write_back_the_modifier_ranks_values():
-    for result in [r for rank in run_ranks(gather_at_every_stage, WORLD) for r in rank]:
-        assert result["shapes"] == ((16, 16), (16, 16))
-        assert not torch.all(result["after_dropped"] == 5.0)
-        assert torch.all(result["after_written"] == 1.0)
-        assert torch.all(result["master"] == 1.0)  # the fp32 copy the optimizer steps moved too
+    for rank, results in enumerate(run_ranks(gather_at_every_stage, WORLD)):
+        for result in results[:2]:  # stage 3: the parameter object itself is whole inside the block
+            assert result["fetched"] == 2 and result["seen"] == ((16, 16), "Tensor", 256)
+            assert torch.equal(result["after_dropped"], result["before"])
+            assert torch.all(result["after_written"] == 1.0)
+            assert torch.all(result["master"] == 1.0)  # the fp32 copy the optimizer steps moved too
+            assert result["outside"] == (2, 16)
+            assert "called outside the forward of the model the engine wraps" in result["with_grad"]
+        for result in results[2:]:  # stages 0-2: nothing is partitioned, the block does nothing (DeepSpeed)
+            assert result["fetched"] == 0
+            assert torch.all(result["after_dropped"] == 5.0)
+            assert torch.all(result["after_written"] == float(rank + 1))
+            assert result["with_grad"] is None
 
 
 # -- zero_optimization keys -------------------------------------------------------------------

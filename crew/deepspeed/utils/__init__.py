@@ -1,6 +1,7 @@
 """`deepspeed.utils`: the logger (crew's, a logging.Logger: transformers sets its level), log_dist,
 RepeatingLoader, the full fp32 value of a parameter or its gradient at any ZeRO stage
-(`safe_get_full_fp32_param`, `safe_get_full_grad`) and the ZeRO-3 leaf-module flags (z3_leaf_module.py)."""
+(`safe_get_full_fp32_param`, `safe_get_full_grad`), the ZeRO-3 leaf-module flags (z3_leaf_module.py) and
+`recursive_getattr`/`recursive_setattr` (module_utils.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import logging
 
 import torch
 
+from crew.deepspeed.utils.module_utils import recursive_getattr, recursive_setattr
 from crew.deepspeed.utils.z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
                                                  unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 from crew.log import logger
 from crew.runtime import comm, registry
 from crew.runtime.data import RepeatingLoader
 
-__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "logger", "safe_get_full_fp32_param",
-           "safe_get_full_grad", "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-           "z3_leaf_module", "z3_leaf_parameter"]
+__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "logger", "recursive_getattr", "recursive_setattr",
+           "safe_get_full_fp32_param", "safe_get_full_grad", "set_z3_leaf_module", "set_z3_leaf_modules",
+           "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
 
 
 def _dist_message(message: str, ranks) -> str | None:

@@ -1,0 +1,215 @@
+"""ZeRO stages 0-3 on torch's own machinery, from DeepSpeed's `zero_optimization` section.
+
+    stage 0   DistributedDataParallel: replicated parameters, gradients and optimizer state
+    stage 1   DDP + ZeroRedundancyOptimizer: each rank keeps and steps 1/N of the optimizer state (under
+              fp16/bf16 or offload_optimizer, stage 2's optimizer without its gradient hooks: the fp32
+              masters too are kept only by their owner)
+    stage 2   whole parameters on every rank, as in DeepSpeed; each parameter's gradient, fp32 master
+              (fp16/bf16) and optimizer state kept only by the rank that owns it (ZeroRedundancyOptimizer's
+              split); gradients averaged into the owners on every micro step (stage2.py)
+    stage 3   FSDP2 fully_shard, reshard_after_forward=True: parameters sharded too, gathered one
+              wrapped unit at a time
+
+At stages 0-2 `model.parameters()` and `model.state_dict()` are the whole, equal tensors on every rank.
+
+Stage 3's FSDP2 units ("wrap", a crew key in zero_optimization): "blocks" (default) wraps every member of a
+repeated stack (the children of a ModuleList/Sequential that hold two or more modules of one class:
+the transformer blocks), falling back to the model's top-level children; "children" wraps each
+top-level child; a list of class names wraps every module of those classes. The root is always
+wrapped last and holds whatever is left (embeddings, heads, tied weights).
+
+Under fp16/bf16 at stage 3 the sharded parameters stay fp32 (they are the master weights) and FSDP2's
+MixedPrecisionPolicy gathers them in the 16-bit dtype for compute; gradients are reduced in fp32.
+Gradients are reduce-scattered on every micro step, as DeepSpeed's stage 3 does, so accumulation
+holds only the gradient shard.
+
+DeepSpeed's stage-3 API is here too: `Init` (partition_parameters.py: a model built inside it is partitioned
+module by module, never whole on a rank), `GatheredParameters` (gather.py), `register_external_parameter`;
+stage3.py shards a model, stage2.py is stage 2's optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+import torch
+
+from crew.errors import ConfigError
+from crew.log import log_rank0
+from crew.runtime.zero import partition_parameters, stage3
+from crew.runtime.zero.gather import GatheredParameters
+from crew.runtime.zero.partition_parameters import (Init, ZeroParamStatus, ZeroParamType,
+                                                    register_external_parameter, unregister_external_parameter)
+from crew.runtime.zero.stage3 import wrap_units
+
+__all__ = ["GatheredParameters", "Init", "Zero", "ZeroParamStatus", "ZeroParamType", "partition_parameters",
+           "register_external_parameter", "unregister_external_parameter", "wrap_units"]
+
+WRAP_CHOICES = ("blocks", "children")
+OFFLOAD_ON_CPU = False  # tests: take the offload path on a machine without GPU (masters are then CPU copies)
+_BUCKET_KEYS = ("reduce_bucket_size",)  # stages 0-2: DDP's or stage 2's bucket size; FSDP2 buckets per unit
+
+
+class Zero:
+    """The `zero_optimization` section, checked, and the means to apply it to a model."""
+
+    def __init__(self, section: Any, world_size: int, device: torch.device) -> None:
+        self.stage = section.stage
+        self.world_size = world_size
+        self.device = device
+        extra = dict(section.model_extra or {})
+        self.wrap_rule = _wrap_rule(extra.get("wrap", "blocks"))
+        self.bucket_elements = _bucket_elements(extra.get("reduce_bucket_size"))
+        self.offload = _offload(extra, self.stage, device)
+        # stages 1-2: the fp32 masters, their gradients and the optimizer's state and step on the CPU
+        self.offload_optimizer = bool(self.offload and self.stage in (1, 2))
+        self.grads = None  # stage 2 on more than one rank: its stage2.GradientPartition
+        self.partitioned = False  # the optimizer is stage2.py's (each rank holds its owned masters and grads)
+
+    @property
+    def shards_params(self) -> bool:
+        """Stage 3: the model is wrapped by fully_shard and its parameters become DTensors."""
+        return self.stage == 3
+
+    def no_effect_keys(self) -> list[str]:
+        """Implemented keys that do nothing at this stage (on top of config.ignored_keys)."""
+        if self.stage == 3 and self.bucket_elements is not None:
+            return [f"zero_optimization.{key}" for key in _BUCKET_KEYS]
+        return []
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def wrap_ddp(self, model: torch.nn.Module):
+        """Stages 0-1 on more than one rank: DDP, which also broadcasts rank 0's weights. Stage 2 has
+        no DDP (its gradient hooks reduce): rank 0's weights are broadcast here all the same."""
+        if self.stage == 3 or self.world_size == 1:
+            return None
+        if self.stage == 2:
+            from crew.runtime.zero import stage2  # torch.distributed.optim: seconds to import, on use only
+            stage2.broadcast_module(model, self.bucket_elements)
+            return None
+        from torch.nn.parallel import DistributedDataParallel
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        options: dict[str, Any] = {"gradient_as_bucket_view": True}  # no second copy of the grads
+        if self.bucket_elements is not None:
+            dtype = next((p.dtype for p in model.parameters()), torch.float32)
+            size = torch.tensor([], dtype=dtype).element_size()
+            options["bucket_cap_mb"] = self.bucket_elements * size / 2**20
+        return DistributedDataParallel(model, device_ids=ids, **options)
+
+    def shard(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
+        """Stage 3: fully_shard the model's units and its root, in place (stage3.py). Returns {id(old
+        param): new}, so that parameter lists taken before sharding can be pointed at the new ones."""
+        return stage3.shard(model, self.world_size, self.device, self.wrap_rule, compute_dtype, self.offload,
+                            self.stage)
+
+    def make_whole(self, model: torch.nn.Module) -> None:
+        """Stages 0-2 keep every parameter whole on every rank: gather what zero.Init partitioned."""
+        split = [p for p in dict.fromkeys(model.parameters()) if partition_parameters.is_partitioned(p)]
+        if split:
+            partition_parameters.gather(split)
+            for param in split:
+                for name in ("ds_tensor", "ds_id", "ds_shape", "ds_numel", "ds_status", "ds_persist",
+                             "ds_active_sub_modules"):
+                    param.__dict__.pop(name, None)
+            log_rank0("zero.Init: stage %d keeps whole parameters on every rank, so the model built "
+                      "partitioned is gathered whole", self.stage)
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, precision=None) -> torch.optim.Optimizer:
+        """Stage 1: the same optimizer, its state split over the ranks by ZeroRedundancyOptimizer.
+        Stage 2: the same split, and with it the fp32 masters (of `precision`) and the gradients."""
+        if self.stage not in (1, 2):
+            return optimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        # defaults can hold entries the constructor does not take (AdamW: decoupled_weight_decay)
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        try:
+            if self.stage == 2 or self.offload_optimizer or (precision is not None and precision.master_pairs()):
+                # stage 2, and stage 1 with fp32 masters (bf16/fp16: only the owner keeps its masters, as in
+                # DeepSpeed; offload: masters on the CPU, which NCCL cannot send): the owners broadcast the
+                # model's parameters; stage 1 reduces through DDP
+                from crew.runtime.zero import stage2
+                partitioned = stage2.partition(optimizer, cls, defaults, precision, self.bucket_elements,
+                                                    self.device, reduce_gradients=self.stage == 2)
+                self.grads, self.partitioned = partitioned.grads, True
+                return partitioned
+            # The same group dicts: a scheduler built on `optimizer` still sets the lr that is used.
+            return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=cls, **defaults)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"zero_optimization.stage {self.stage} rebuilds the optimizer as ZeroRedundancyOptimizer("
+                f"optimizer_class={cls.__name__}, ...), which failed: {exc}. Use a torch.optim "
+                "optimizer, or stage 0 or 3.") from None
+
+    def reducing(self, boundary: bool) -> contextlib.AbstractContextManager:
+        """Around a backward: at stage 2 its gradients are averaged into their owners, and on the
+        accumulation boundary become the owned parameters' .grad."""
+        return self.grads.reducing(boundary) if self.grads is not None else contextlib.nullcontext()
+
+
+# -- config values ----------------------------------------------------------------------------
+
+def _wrap_rule(value: Any) -> str | tuple[str, ...]:
+    if value in WRAP_CHOICES:
+        return value
+    if isinstance(value, list) and value and all(isinstance(name, str) for name in value):
+        return tuple(value)
+    raise ConfigError(
+        f"zero_optimization.wrap is {value!r}; use \"blocks\" (each member of a repeated stack of "
+        "modules, e.g. transformer blocks), \"children\" (each top-level child module) or a list of "
+        "module class names, e.g. [\"LlamaDecoderLayer\"].")
+
+
+def _bucket_elements(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1:
+        raise ConfigError(f"zero_optimization.reduce_bucket_size must be a number of elements >= 1 "
+                          f"(DeepSpeed's default is 5e8), got {value!r}.")
+    return int(value)
+
+
+def _offload(extra: dict, stage: int, device: torch.device) -> dict | None:
+    """The offload settings that take effect: None when off (or nothing to do on a CPU run)."""
+    wanted = {}
+    for key in ("offload_optimizer", "offload_param"):
+        section = extra.get(key)
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise ConfigError(f"zero_optimization.{key} must be an object like "
+                              f'{{"device": "cpu"}}, got {section!r}.')
+        where = section.get("device", "none")
+        if where in ("none", None):
+            continue
+        if where != "cpu":
+            raise ConfigError(f"zero_optimization.{key}.device is {where!r}; crew offloads to "
+                              "\"cpu\" only (torch's CPUOffloadPolicy). Use \"cpu\" or \"none\".")
+        wanted[key] = bool(section.get("pin_memory", True))
+    if not wanted:
+        return None
+    if device.type == "cpu" and not OFFLOAD_ON_CPU:
+        log_rank0("zero_optimization: %s to cpu has no effect, training already runs on the CPU",
+                  " and ".join(wanted))
+        return None
+    if stage == 0:
+        raise ConfigError(f"zero_optimization.{next(iter(wanted))} needs ZeRO stage 1, 2 or 3 (as in "
+                          "DeepSpeed); this config has stage 0. Set zero_optimization.stage, or remove the "
+                          "offload section.")
+    if stage < 3:
+        if "offload_param" in wanted:
+            log_rank0("zero_optimization.offload_param has no effect below stage 3 (as in DeepSpeed): "
+                      "the parameters stay on the GPU")
+        if "offload_optimizer" not in wanted:
+            return None
+        log_rank0("zero_optimization.offload_optimizer: the fp32 master weights, gradients and optimizer "
+                  "state of this rank's partition live on the CPU, where the optimizer steps")
+        return {"pin_memory": wanted["offload_optimizer"]}
+    if "offload_param" not in wanted:
+        log_rank0("zero_optimization.offload_optimizer: torch's CPUOffloadPolicy keeps parameters, "
+                  "gradients and optimizer state on the CPU together (as offload_param would)")
+    return {"pin_memory": all(wanted.values())}

@@ -1,0 +1,155 @@
+"""Stage 3: FSDP2's fully_shard over the model's units, one unit at a time.
+
+A unit's parameters are made whole just before it is sharded (gathered from the ranks' pieces when the model
+was built under zero.Init), and the whole copies are freed right after: no rank ever holds more than one unit
+whole. The sharded parameters carry DeepSpeed's attributes (`ds_id`, `ds_shape`, `ds_numel`, `ds_status`), so
+scripts that look for them (DeepSpeed-Chat, PEFT) see a ZeRO-3 model.
+
+A module called outside its unit's forward (HF `generate` helpers, `get_input_embeddings()(ids)`) would meet
+DTensor shards; a hook lets it see its parameters whole for that call, as DeepSpeed's hooks do. Such a call
+computes no gradients for those parameters: with gradients enabled it is an error that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from crew.errors import ConfigError, CrewError
+from crew.log import log_rank0
+from crew.runtime.zero import gather
+from crew.runtime.zero import partition_parameters as pp
+
+
+def shard(model: torch.nn.Module, world_size: int, device: torch.device, wrap_rule,
+          compute_dtype: torch.dtype | None, offload: dict | None, stage: int) -> dict[int, torch.nn.Parameter]:
+    """fully_shard the units and the root, in place. Returns {id(old param): new} so that parameter lists
+    taken before sharding can be pointed at the sharded parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    before = list(model.named_parameters(remove_duplicate=False))
+    ds_ids = {name: p.ds_id for name, p in before if pp.is_zero_param(p)}
+    options: dict[str, Any] = {"mesh": init_device_mesh(device.type, (world_size,)), "reshard_after_forward": True}
+    if compute_dtype is not None:
+        # inputs are not cast, as at stages 0-1 and in DeepSpeed: the same script runs at any stage
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                                    cast_forward_inputs=False)
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=offload["pin_memory"])
+    units = wrap_units(model, wrap_rule, keep_in_root=pp.external_parameters(model))
+    for module in [*units, model]:
+        old = _made_whole(module, device)
+        fully_shard(module, **options)
+        for param in old:
+            pp.forget(param)  # FSDP2 copied its shard: free the whole tensor, even if the caller holds it
+    current = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in current.items():
+        _mark_partitioned(param, ds_ids.get(name))
+    _see_whole_outside_forward(model)
+    log_rank0("ZeRO stage %d: fully_shard over %d ranks, %d wrapped units (+ root)%s",
+              stage, world_size, len(units), ", CPU offload" if offload else "")
+    return {id(p): current[name] for name, p in before if name in current}
+
+
+def _made_whole(module: torch.nn.Module, device: torch.device) -> list[torch.nn.Parameter]:
+    """The module's parameters not sharded yet, whole and on `device` (gathered if zero.Init split them)."""
+    params = [p for p in dict.fromkeys(module.parameters()) if not gather.is_shard(p)]
+    pp.gather([p for p in params if pp.is_partitioned(p)])
+    for param in params:
+        param.data = param.data.to(device)
+    for buffer_owner in module.modules():
+        for name, buffer in buffer_owner._buffers.items():
+            if buffer is not None and buffer.device != device:
+                buffer_owner._buffers[name] = buffer.to(device)
+    return params
+
+
+def _mark_partitioned(param: torch.nn.Parameter, ds_id: int | None) -> None:
+    param.ds_id = ds_id if ds_id is not None else next(pp._next_id)
+    param.ds_shape, param.ds_numel = param.shape, param.numel()
+    param.ds_status = pp.ZeroParamStatus.NOT_AVAILABLE
+    param.ds_persist = False
+
+
+# -- calls outside a unit's forward ---------------------------------------------------------------
+
+def _see_whole_outside_forward(model: torch.nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if not isinstance(module, FSDPModule) and module._parameters:
+            module.register_forward_pre_hook(_view_shards)
+            module.register_forward_hook(_end_views, always_call=True)
+
+
+_VIEWING: dict[int, list[list[torch.nn.Parameter]]] = {}
+
+
+def _view_shards(module: torch.nn.Module, args) -> None:
+    shards = [p for p in module._parameters.values() if p is not None and gather.is_shard(p)]
+    if shards and torch.is_grad_enabled() and any(p.requires_grad for p in shards):
+        raise CrewError(
+            f"{type(module).__name__} was called outside the forward of the model the engine wraps, with "
+            "gradients enabled. At ZeRO stage 3 its parameters are sharded there, and gradients through such a "
+            "call would not reach them: call it inside the model's forward, or under torch.no_grad().")
+    for param in shards:
+        gather.view_whole(param)
+    _VIEWING.setdefault(id(module), []).append(shards)
+
+
+def _end_views(module: torch.nn.Module, args, output) -> None:
+    stack = _VIEWING.get(id(module))
+    if not stack:
+        return
+    for param in stack.pop():
+        gather.end_whole_view(param, None)
+    if not stack:
+        del _VIEWING[id(module)]
+
+
+# -- the units ---------------------------------------------------------------------------------
+
+def wrap_units(model: torch.nn.Module, rule: str | tuple[str, ...],
+               keep_in_root: set[int] = frozenset()) -> list[torch.nn.Module]:
+    """The submodules that become FSDP2 units under `rule`, parents never inside children. A module that
+    holds a parameter another module's forward uses (register_external_parameter) stays in the root."""
+    if isinstance(rule, tuple):
+        units = [m for m in model.modules() if m is not model and type(m).__name__ in rule]
+        if not units:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(f"zero_optimization.wrap names {list(rule)}, but the model has none "
+                              f"of those classes; its module classes are {present}.")
+    elif rule == "blocks":
+        units = [child for stack in model.modules() if isinstance(stack, (torch.nn.ModuleList,
+                 torch.nn.Sequential)) for child in _repeated(stack)]
+        units = units or _children_with_params(model)
+    else:
+        units = _children_with_params(model)
+    units = [u for u in _outermost(units) if not any(id(p) in keep_in_root for p in u.parameters())]
+    return units
+
+
+def _children_with_params(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [child for child in model.children() if _has_params(child)]
+
+
+def _repeated(stack: torch.nn.Module) -> list[torch.nn.Module]:
+    children = [c for c in stack.children() if _has_params(c)]
+    kinds = [type(c) for c in children]
+    return [c for c in children if kinds.count(type(c)) >= 2]
+
+
+def _outermost(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    inner = {id(sub) for module in modules for sub in module.modules() if sub is not module}
+    seen: set[int] = set()
+    result = []
+    for module in modules:
+        if id(module) not in inner and id(module) not in seen:
+            seen.add(id(module))
+            result.append(module)
+    return result
+
+
+def _has_params(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
