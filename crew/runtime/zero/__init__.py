@@ -44,6 +44,8 @@ from crew.runtime.zero.partition_parameters import (Init, ZeroParamStatus, ZeroP
                                                     register_external_parameter, unregister_external_parameter)
 from crew.runtime.zero.stage3 import wrap_units
 
+partition_parameters.GatheredParameters = GatheredParameters  # where DeepSpeed defines it
+
 __all__ = ["GatheredParameters", "Init", "Zero", "ZeroParamStatus", "ZeroParamType", "partition_parameters",
            "register_external_parameter", "unregister_external_parameter", "wrap_units"]
 

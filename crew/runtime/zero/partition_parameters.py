@@ -310,13 +310,6 @@ def restore_init_context() -> None:
         Init._active._patch()
 
 
-def __getattr__(name: str):
-    if name == "GatheredParameters":  # DeepSpeed defines it in this module
-        from crew.runtime.zero.gather import GatheredParameters
-        return GatheredParameters
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def sorted_by_id(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     """Each parameter once, in ds_id order: every rank issues the same collectives in the same order."""
     unique = {id(p): p for p in params}
