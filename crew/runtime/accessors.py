@@ -330,8 +330,21 @@ class DeepSpeedAccessors:
         other ranks); every rank must call it. Accelerate's get_state_dict and Trainer's save_model use it."""
         if not self.zero.shards_params:
             raise ValueError("this function requires ZeRO-3 mode")
-        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-        return {name: value.cpu() for name, value in state.items()} if self.global_rank == 0 else None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        # gathered one parameter at a time onto rank 0's CPU: no rank holds the whole model on its device
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                   ignore_frozen_params=exclude_frozen_parameters)
+        full = get_model_state_dict(self.module, options=options)
+        if self.global_rank != 0:
+            return None
+        dtype = self.precision.dtype
+        state = {name: value.to(dtype) if value.is_floating_point() else value for name, value in full.items()}
+        first_name: dict[int, str] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):  # tied weights: one tensor
+            first = first_name.setdefault(id(param), name)
+            if first != name and first in state and name in state:
+                state[name] = state[first]
+        return state
 
     def destroy(self) -> None:
         """Release the DDP wrapper, the optimizer state and this engine's entry among the live

@@ -32,7 +32,7 @@ from crew.runtime.config import Config
 from crew.runtime.monitor import Monitor, step_events
 from crew.runtime.optim import build_optimizer, build_scheduler
 from crew.runtime.precision import Precision, make_precision
-from crew.runtime.progress import show_step
+from crew.runtime.progress import ThroughputTimer, show_step
 from crew.runtime.zero.stage2 import chunks
 
 @atexit.register
@@ -79,6 +79,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self._last_print = (time.perf_counter(), 0, 0)
         self._last_boundary: float | None = None
         self.monitor = Monitor(config, self.global_rank)
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
         # the last steps' events are written when the engine goes, or at exit (scripts never close it)
         weakref.finalize(self, self.monitor.close)
         registry.register(self)
@@ -140,6 +141,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
     # -- the step -----------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        if self.module.training:
+            self.tput_timer.start()
         if self.balancer is not None:
             self.balancer.forward_started()
         if self.fp16_auto_cast():
@@ -175,11 +178,13 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         self._begin_step()
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self._take_model_step(lr_kwargs)
             if self.balancer is not None:
                 self.balancer.after_step(self.global_steps)
         self.micro_steps += 1
+        self.tput_timer.stop(global_step=boundary)
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         if self.optimizer is None:

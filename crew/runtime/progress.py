@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from crew.log import log_rank0
 
-__all__ = ["show_step"]
+__all__ = ["ThroughputTimer", "show_step"]
 
 
 def show_step(step: int, total: int | None, loss: float, lrs: list[float], samples_per_sec: float,
@@ -44,3 +45,41 @@ def _duration(seconds: float) -> str:
     minutes, seconds = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+class ThroughputTimer:
+    """DeepSpeed's `engine.tput_timer`: times each micro step from the forward to step(), from the
+    `start_step`-th optimizer step on. crew's step line reports the speed, so this one never logs;
+    scripts read `avg_samples_per_sec()` and call `update_epoch_count()` (DeepSpeed-Chat)."""
+
+    def __init__(self, batch_size: int, start_step: int = 2) -> None:
+        self.batch_size = batch_size
+        self.start_step = start_step
+        self.epoch_count = self.micro_step_count = self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.started = False
+        self.start_time = 0.0
+
+    def update_epoch_count(self) -> None:
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        if not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        self.global_step_count += int(global_step)
+        if self.start_time > 0:
+            self.total_elapsed_time += time.time() - self.start_time
+
+    def avg_samples_per_sec(self) -> float:
+        if self.global_step_count > self.start_step and self.total_elapsed_time > 0:
+            per_step = self.total_elapsed_time / (self.global_step_count - self.start_step)
+            return self.batch_size / per_step
+        return float("-inf")

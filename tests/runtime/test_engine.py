@@ -108,6 +108,9 @@ def check_accumulation_boundary(rank: int) -> dict:
         seen[f"changed{micro_step}"] = not torch.equal(first.detach(), before)
         seen[f"global_steps{micro_step}"] = engine.global_steps
     seen["grad_cleared"] = first.grad is None
+    timer = engine.tput_timer  # DeepSpeed's: DeepSpeed-Chat calls update_epoch_count() after each epoch
+    timer.update_epoch_count()
+    seen["timer"] = (timer.micro_step_count, timer.global_step_count, timer.epoch_count)
     return seen
 
 
@@ -116,7 +119,7 @@ def test_no_sync_and_no_step_until_the_accumulation_boundary():
         assert seen == {
             "boundary0": False, "grads_equal0": False, "changed0": False, "global_steps0": 0,
             "boundary1": True, "grads_equal1": True, "changed1": True, "global_steps1": 1,
-            "grad_cleared": True}
+            "grad_cleared": True, "timer": (0, 1, 1)}
 
 
 def test_config_scheduler_steps_once_per_optimizer_step():

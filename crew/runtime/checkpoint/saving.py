@@ -113,9 +113,6 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
     if sharded and engine.optimizer is None:
         raise CheckpointError(f"{what}: a model-only engine (no optimizer) cannot save a ZeRO stage 3 checkpoint "
                               "yet. Save its weights with engine.save_16bit_model(save_dir) instead.")
-    if sharded and exclude_frozen:
-        warn_once("save_checkpoint(exclude_frozen_parameters=True) at ZeRO stage 3 saves the frozen "
-                  "parameters' shards too (crew's sharded checkpoint holds every parameter)")
     part, parts = _my_part(shared, split=engine.zero.stage == 0)
     optimizer_state = None if sharded else _whole_optimizer_state(engine, writer=part is not None)
     masters = None if sharded else gathered_masters(engine, keep=part is not None)  # stage 2: a collective
@@ -123,7 +120,7 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
     agree(attempt(_write_files, engine, staging, client_state or {}, part, parts, optimizer_state,
                   written, exclude_frozen, masters), what)
     if sharded:
-        agree(attempt(_write_shards, engine, staging, written), what)
+        agree(attempt(_write_shards, engine, staging, written, exclude_frozen), what)
     hosts = _placement()  # collectives: every rank, before only the writers go on
     every_rank_wrote = all_gather(written)
     comm.barrier()  # every rank's files are on disk before any tag appears
@@ -207,11 +204,12 @@ def _write_files(engine, staging: Path, client_state: dict, part: int | None, pa
     written[name] = write_atomic(staging / name, obj=_rank_state(engine))
 
 
-def _write_shards(engine, staging: Path, written: dict) -> None:
+def _write_shards(engine, staging: Path, written: dict, exclude_frozen: bool) -> None:
     """Stage 3: every rank its shards (a collective), then rank 0 the replicated rest."""
     from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stage 3 pays its import
     shards: dict[str, dict] = {}
-    optimizer_other = checkpoint_sharded.save(engine.module, engine.optimizer, staging / SHARDED_DIR, shards)
+    optimizer_other = checkpoint_sharded.save(engine.module, engine.optimizer, staging / SHARDED_DIR, shards,
+                                              exclude_frozen)
     written.update({f"{SHARDED_DIR}/{name}": entry for name, entry in shards.items()})
     if comm.get_rank() == 0:
         groups = groups_by_name(engine)

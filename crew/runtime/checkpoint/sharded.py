@@ -109,12 +109,15 @@ class _Writer(FileSystemWriter):
         self.fs = _HashingFileSystem(written)
 
 
-def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, written: dict) -> dict:
+def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, written: dict,
+         exclude_frozen: bool = False) -> dict:
     """Write this rank's shards (a collective), their sizes and checksums into `written` by file
-    name; returns the optimizer's non-tensor state by name."""
+    name; returns the optimizer's non-tensor state by name. `exclude_frozen`: not the parameters that
+    do not require grad (a PEFT base model)."""
     tensors, other = _split(_optimizer_state(module, optimizer))
+    model = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=exclude_frozen))
     with _dcp_errors(folder):
-        dcp.save({"model": get_model_state_dict(module), "optim": tensors},
+        dcp.save({"model": model, "optim": tensors},
                  storage_writer=_Writer(folder, written))
     return other
 
