@@ -354,6 +354,12 @@ SCRIPT = """
         import deepspeed.ops.lamb
     except ImportError as error:
         print(type(error).__name__, error)
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, GatheredParameters
+    from deepspeed.runtime.zero import partition_parameters as pp  # what transformers patches
+    status = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus  # DeepSpeed-Chat's spelling
+    print(status is ZeroParamStatus, GatheredParameters is deepspeed.zero.GatheredParameters,
+          pp._orig_torch_arange is __import__("torch").arange, callable(pp.zero_wrapper_for_fp_tensor_constructor),
+          deepspeed.zero.register_external_parameter.__module__, ZeroParamStatus.NOT_AVAILABLE.value)
 """
 
 
@@ -367,6 +373,7 @@ def test_the_names_import_as_deepspeed(tmp_path):
     assert lines[3] == f"{schedules} False .deepspeed_env Logger"
     assert lines[4].startswith("UnsupportedModule deepspeed.ops.lamb (DeepSpeed's FusedLamb CUDA kernel) is not "
                                "supported")
+    assert lines[5] == "True True True True crew.runtime.zero.partition_parameters 2"
 
 
 def test_deepspeed_config_resolves_for_the_world_it_is_built_in(ranks, tmp_path):

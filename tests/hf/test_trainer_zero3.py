@@ -162,7 +162,11 @@ def test_lora_checkpoint_leaves_out_the_frozen_base(job):
     step_folder = folder / "lora" / "checkpoint-2"
     assert (step_folder / "latest").read_text().strip() == "global_step2"
     saved = read_fp32_module(step_folder / "global_step2")
-    assert saved.keys() == set(results[0]["lora"]["trainable"])
+    trainable = set(results[0]["lora"]["trainable"])
+    assert trainable <= saved.keys()
+    # nothing of the frozen base, the tied lm_head (the frozen wte) included: DeepSpeed 0.19.8 keeps that name
+    # at stage 3 with an empty placeholder
+    assert not {name: tuple(value.shape) for name, value in saved.items() if name not in trainable and value.numel()}
 
 
 def test_lora_resume_repeats_the_uninterrupted_run(job):

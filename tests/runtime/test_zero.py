@@ -498,6 +498,7 @@ def test_offload_is_a_logged_no_op_on_cpu_and_moves_the_optimizer_at_stages_1_2_
 
 
 def test_wrap_rules_pick_the_block_stack_the_children_or_named_classes():
+    import crew
     from crew.errors import ConfigError
     from crew.runtime.zero import wrap_units
 
@@ -510,6 +511,13 @@ def test_wrap_rules_pick_the_block_stack_the_children_or_named_classes():
         wrap_units(model, ("Block",))
     flat = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.LayerNorm(2))
     assert wrap_units(flat, "blocks") == [flat[0], flat[2]]  # no repeated stack: the children
+    # a block whose weight another module's forward uses stays in the root, whole through the forward
+    crew.zero.register_external_parameter(model[1][2], model[1][0][0].weight)
+    external = crew.zero.partition_parameters.external_parameters(model)
+    assert wrap_units(model, "blocks", keep_in_root=external) == list(model[1])[1:3]
+    crew.zero.unregister_external_parameter(model[1][2], model[1][0][0].weight)
+    with pytest.raises(RuntimeError, match="not a registered external parameter"):
+        crew.zero.unregister_external_parameter(model[1][2], model[1][0][0].weight)
 
 
 def test_no_effect_keys_are_listed_once_at_start(capsys):

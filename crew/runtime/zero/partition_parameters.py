@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
+import os
 from collections.abc import Callable, Iterable
 from enum import Enum
 
@@ -80,18 +82,21 @@ def is_partitioned(param) -> bool:
 # -- partitioning ---------------------------------------------------------------------------------
 
 def home_device() -> torch.device:
-    """Where the pieces live: this rank's GPU (NCCL sends from there), else the CPU."""
+    """Where the collectives run: this rank's GPU under NCCL, else the CPU."""
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def partition(params: list[torch.nn.Parameter], source: int | None = 0) -> None:
+def partition(params: list[torch.nn.Parameter], source: int | None = 0,
+              keep_on: torch.device | None = None) -> None:
     """Keep this rank's piece of each whole parameter: `source`'s piece for this rank (scattered), or with
-    None, the piece of this rank's own values."""
+    None, the piece of this rank's own values. The piece stays where it was (new: on `keep_on`, by
+    default where the collectives run)."""
     world, rank = comm.get_world_size(), comm.get_rank()
     device = home_device()
     for param in params:
+        where = param.ds_tensor.device if hasattr(param, "ds_tensor") else keep_on or device
         whole = param.data.to(device)
         piece = _ceil_div(whole.numel(), world)
         flat = whole.reshape(-1)
@@ -108,7 +113,7 @@ def partition(params: list[torch.nn.Parameter], source: int | None = 0) -> None:
             param.ds_persist = False
             param.ds_active_sub_modules = set()
         param.ds_shape, param.ds_numel = whole.shape, whole.numel()
-        param.ds_tensor = mine
+        param.ds_tensor = mine.to(where)
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         param.data = torch.empty(0, dtype=whole.dtype, device=param.device)
         del whole, flat
@@ -195,11 +200,13 @@ class Init:
                  pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
                  **kwargs) -> None:
         self.enabled = enabled
+        self.keep_on = _piece_device(remote_device, config_dict_or_path or config)
         self._patches: list[tuple[object, str, object]] = []
         if enabled and not torch.distributed.is_initialized():
             comm.init_distributed()  # as DeepSpeed's Init: the launcher's group, or a world of one
         if module is not None and enabled:
-            partition([p for p in module.parameters() if not is_zero_param(p) and not p.is_meta])
+            partition([p for p in module.parameters() if not is_zero_param(p) and not p.is_meta],
+                      keep_on=self.keep_on)
 
     def __enter__(self) -> Init:
         if self.enabled:
@@ -240,6 +247,18 @@ class Init:
         self._patches = []
 
 
+def _piece_device(remote_device, config) -> torch.device | None:
+    """The CPU when asked (remote_device="cpu", or the config's zero_optimization.offload_param), else
+    None: where the collectives run."""
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as file:
+            config = json.load(file)
+    section = config.get("zero_optimization") if isinstance(config, dict) else None
+    offload = (section or {}).get("offload_param") or {}
+    wanted = remote_device or (offload.get("device") if isinstance(offload, dict) else None)
+    return torch.device("cpu") if wanted == "cpu" else None
+
+
 def _module_classes() -> list[type]:
     seen, stack = [], [torch.nn.Module]
     while stack:
@@ -266,8 +285,9 @@ def _partition_after(init: Callable) -> Callable:
         finally:
             if outermost:
                 _constructing.discard(id(module))
-        if outermost and Init._depth > 0:
-            partition([p for p in module.parameters(recurse=False) if not is_zero_param(p) and not p.is_meta])
+        if outermost and Init._active is not None:
+            partition([p for p in module.parameters(recurse=False) if not is_zero_param(p) and not p.is_meta],
+                      keep_on=Init._active.keep_on)
 
     wrapper.__crew_unwrapped__ = init
     return wrapper
