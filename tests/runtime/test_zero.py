@@ -415,7 +415,7 @@ def gather_and_modify(rank: int, stage: int, precision: str | None) -> dict:
     fetch = [p for p in (weight, None, first.bias) if p is not None and hasattr(p, "ds_id")
              and p.ds_status.name == "NOT_AVAILABLE"]
     with crew.zero.GatheredParameters(fetch, modifier_rank=None):
-        seen = (tuple(first.weight.shape), type(weight.data.cpu()).__name__, weight.data.numel())
+        seen = (tuple(first.weight.shape), type(weight.data.cpu()).__name__, weight.data.numel(), weight.data.dtype)
         first.weight.data.fill_(5.0)  # dropped at stage 3: no modifier rank
     after_dropped = full_params(engine.module)["0.0.weight"]
     with crew.zero.GatheredParameters(weight, modifier_rank=0):
@@ -423,7 +423,7 @@ def gather_and_modify(rank: int, stage: int, precision: str | None) -> dict:
     after_written = full_params(engine.module)["0.0.weight"]
     master = engine.precision.master_of(weight)
     master_value = (master.full_tensor() if hasattr(master, "full_tensor") else master).detach().float()
-    ones = torch.ones(2, 16, dtype=first.weight.dtype)
+    ones = torch.ones(2, 16, dtype=engine.precision.dtype)  # stage 3: seen whole in the compute dtype
     with torch.no_grad():
         outside = tuple(first(ones).shape)  # a submodule called outside the engine's forward
     try:
@@ -442,8 +442,9 @@ def gather_at_every_stage(rank: int) -> list[dict]:
 
 def test_gathered_parameters_show_whole_tensors_and_write_back_the_modifier_ranks_values():
     for rank, results in enumerate(run_ranks(gather_at_every_stage, WORLD)):
+        assert [result["seen"][3] for result in results[:2]] == [torch.float32, torch.bfloat16]  # DeepSpeed's dtype
         for result in results[:2]:  # stage 3: the parameter object itself is whole inside the block
-            assert result["fetched"] == 2 and result["seen"] == ((16, 16), "Tensor", 256)
+            assert result["fetched"] == 2 and result["seen"][:3] == ((16, 16), "Tensor", 256)
             assert torch.equal(result["after_dropped"], result["before"])
             assert torch.all(result["after_written"] == 1.0)
             assert torch.all(result["master"] == 1.0)  # the fp32 copy the optimizer steps moved too

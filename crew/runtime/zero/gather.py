@@ -83,8 +83,10 @@ def is_shard(param) -> bool:
 
 
 def view_whole(param: torch.nn.Parameter) -> None:
+    """From now on the parameter object is its whole tensor (in the dtype the model computes in: the fp32
+    shards are crew's master weights; DeepSpeed's parameters are 16-bit under fp16/bf16)."""
     with torch.no_grad():
-        whole = _full_tensor(param)
+        whole = _full_tensor(param).to(getattr(param, "ds_compute_dtype", param.dtype))
     param.__dict__[_WHOLE] = whole
     param.__class__ = _view_class(type(param))
     param.ds_status = ZeroParamStatus.AVAILABLE
@@ -102,7 +104,7 @@ def end_whole_view(param: torch.nn.Parameter, source: int | None) -> None:
         whole = whole.detach().to(param.device).contiguous()
         if comm.get_world_size() > 1:
             comm.broadcast(whole, source)
-        mine = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+        mine = distribute_tensor(whole.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(mine.to_local())
         for master in _masters_of(param):
             master.copy_(param)

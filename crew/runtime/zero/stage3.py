@@ -46,7 +46,7 @@ def shard(model: torch.nn.Module, world_size: int, device: torch.device, wrap_ru
             pp.forget(param)  # FSDP2 copied its shard: free the whole tensor, even if the caller holds it
     current = dict(model.named_parameters(remove_duplicate=False))
     for name, param in current.items():
-        _mark_partitioned(param, ds_ids.get(name))
+        _mark_partitioned(param, ds_ids.get(name), compute_dtype)
     _see_whole_outside_forward(model)
     log_rank0("ZeRO stage %d: fully_shard over %d ranks, %d wrapped units (+ root)%s",
               stage, world_size, len(units), ", CPU offload" if offload else "")
@@ -66,8 +66,10 @@ def _made_whole(module: torch.nn.Module, device: torch.device) -> list[torch.nn.
     return params
 
 
-def _mark_partitioned(param: torch.nn.Parameter, ds_id: int | None) -> None:
+def _mark_partitioned(param: torch.nn.Parameter, ds_id: int | None, compute_dtype: torch.dtype | None) -> None:
     param.ds_id = ds_id if ds_id is not None else next(pp._next_id)
+    if compute_dtype is not None and param.is_floating_point():
+        param.ds_compute_dtype = compute_dtype  # seen whole in it, as DeepSpeed's 16-bit parameters are
     param.ds_shape, param.ds_numel = param.shape, param.numel()
     param.ds_status = pp.ZeroParamStatus.NOT_AVAILABLE
     param.ds_persist = False
