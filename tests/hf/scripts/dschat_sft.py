@@ -32,6 +32,7 @@ from transformers.integrations.deepspeed import HfDeepSpeedConfig
 import deepspeed
 import deepspeed.comm  # noqa: F401  (the application's ds_utils imports it)
 from deepspeed import get_accelerator
+from deepspeed.accelerator import get_accelerator as accelerator_of_utils  # its utils.py's spelling
 from deepspeed.compression.helper import recursive_getattr, recursive_setattr
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -273,9 +274,11 @@ def build_phase1_data(folders, data_split, seed, tokenizer, max_seq_len, end_tok
 
 def create_prompt_dataset(local_rank, args, tokenizer):
     os.makedirs(args.data_output_path, exist_ok=True)
-    files = [os.path.join(args.data_output_path, f"{split}data_phase1_seed{args.seed}.pt")
+    tokenizer_name = tokenizer.init_kwargs["name_or_path"].replace("/", "_")
+    files = [os.path.join(args.data_output_path, f"{split}data_phase1_seed{args.seed}_{tokenizer_name}.pt")
              for split in ("train", "eval")]
-    missing = torch.ByteTensor([not all(os.path.isfile(f) for f in files)]).to(get_accelerator().current_device_name())
+    device = accelerator_of_utils().current_device_name()
+    missing = torch.ByteTensor([not all(os.path.isfile(f) for f in files)]).to(device)
     torch.distributed.all_reduce(missing)
     if local_rank <= 0 and missing.item() != 0:
         built = build_phase1_data(args.data_path, args.data_split, args.seed, tokenizer, args.max_seq_len,
