@@ -103,6 +103,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         """Cast and move (stages 0-2) or shard (stage 3, one unit at a time) the model; a model built
         partitioned under zero.Init is gathered whole at stages 0-2. Returns it and {id(param before): param
         after}."""
+        self.zero.refuse_meta(model)
         if self.zero.shards_params:
             replaced = self.zero.shard(model, self.precision.sharded_compute_dtype)
             self.precision.cast_module(model)  # checks the dtype's kernels; FSDP2 does the casting

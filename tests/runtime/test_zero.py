@@ -566,3 +566,13 @@ def test_a_modifier_rank_outside_the_world_is_a_clear_error(rank):
     crew.init_distributed()  # a world of one
     with pytest.raises(CrewError, match=r"modifier_rank=.*give the rank whose changes are kept, 0\.\.0, or None"):
         crew.zero.GatheredParameters(torch.nn.Linear(2, 2).weight, modifier_rank=rank)
+
+
+def test_a_model_on_the_meta_device_is_a_clear_error():
+    import crew
+    from crew.errors import ConfigError
+
+    with torch.device("meta"):
+        model = make_model()
+    with pytest.raises(ConfigError, match=r"\['0.0.weight', '0.0.bias', '1.0.weight'\] \.\.\. are on the meta device"):
+        crew.initialize(model=model, config=config(3))

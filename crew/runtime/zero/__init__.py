@@ -107,6 +107,15 @@ class Zero:
         return stage3.shard(model, self.world_size, self.device, self.wrap_rule, compute_dtype, self.offload,
                             self.stage)
 
+    @staticmethod
+    def refuse_meta(model: torch.nn.Module) -> None:
+        meta = [name for name, p in model.named_parameters() if p.is_meta]
+        if meta:
+            raise ConfigError(
+                f"the model's parameters {meta[:3]}{' ...' if len(meta) > 3 else ''} are on the meta device (no "
+                "values). Build the model inside `with deepspeed.zero.Init():` to have it partitioned as it is "
+                "built, or give it values first (model.to_empty(device=...) and its initialisation).")
+
     def make_whole(self, model: torch.nn.Module) -> None:
         """Stages 0-2 keep every parameter whole on every rank: gather what zero.Init partitioned."""
         split = [p for p in dict.fromkeys(model.parameters()) if partition_parameters.is_partitioned(p)]
