@@ -340,10 +340,12 @@ class DeepSpeedAccessors:
         dtype = self.precision.dtype
         state = {name: value.to(dtype) if value.is_floating_point() else value for name, value in full.items()}
         first_name: dict[int, str] = {}
-        for name, param in self.module.named_parameters(remove_duplicate=False):  # tied weights: one tensor
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            if exclude_frozen_parameters and not param.requires_grad:
+                state.pop(name, None)  # a frozen tied weight can come back under its second name
             first = first_name.setdefault(id(param), name)
             if first != name and first in state and name in state:
-                state[name] = state[first]
+                state[name] = state[first]  # tied weights: one tensor
         return state
 
     def destroy(self) -> None:

@@ -131,6 +131,10 @@ def _train_and_save(stage: int, precision: str, folder: str) -> dict:
         from crew.runtime.checkpoint.sharded import full_module_state
         weights = full_module_state(engine.module)  # rank 0 only
         consolidated = engine._zero3_consolidated_16bit_state_dict()  # Accelerate's get_state_dict at stage 3
+        engine.module[0].bias.requires_grad_(False)  # frozen, as a PEFT base weight
+        trainable = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+        engine.module[0].bias.requires_grad_(True)
+        consolidated = consolidated and {"all": consolidated, "trainable": sorted(trainable)}
     else:
         from crew.runtime.checkpoint.state import fp32_module_state, gathered_masters
         weights = fp32_module_state(engine, gathered_masters(engine))  # stage 2: the masters from their owners
@@ -212,8 +216,9 @@ def test_full_grads_are_the_same_at_stages_0_2_and_3(ranks):
 def test_the_stage3_consolidated_state_dict_is_whole_on_rank_0_only(ranks):
     results, _ = ranks
     first, second = results[0]["stage3"], results[1]["stage3"]
-    assert second["consolidated"] is None and first["consolidated"].keys() == first["weights"].keys()
-    assert all(torch.equal(first["consolidated"][name], value) for name, value in first["weights"].items())
+    assert second["consolidated"] is None and first["consolidated"]["all"].keys() == first["weights"].keys()
+    assert all(torch.equal(first["consolidated"]["all"][name], value) for name, value in first["weights"].items())
+    assert first["consolidated"]["trainable"] == ["0.weight", "2.bias", "2.weight"]
     assert not first["gather_on_save"]  # stage3_gather_16bit_weights_on_model_save: False unless set
 
 
