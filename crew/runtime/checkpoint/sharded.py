@@ -116,6 +116,10 @@ def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
     do not require grad (a PEFT base model)."""
     tensors, other = _split(_optimizer_state(module, optimizer))
     model = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=exclude_frozen))
+    if exclude_frozen:  # a frozen tied weight comes back under its second name
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if not param.requires_grad:
+                model.pop(name, None)
     with _dcp_errors(folder):
         dcp.save({"model": model, "optim": tensors},
                  storage_writer=_Writer(folder, written))
