@@ -576,3 +576,14 @@ def test_a_model_on_the_meta_device_is_a_clear_error():
         model = make_model()
     with pytest.raises(ConfigError, match=r"\['0.0.weight', '0.0.bias', '1.0.weight'\] \.\.\. are on the meta device"):
         crew.initialize(model=model, config=config(3))
+
+
+def test_zero_init_reads_where_to_keep_the_pieces_from_its_config(tmp_path):
+    import crew
+    from crew.errors import ConfigError
+
+    offload = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    assert crew.zero.Init(config_dict_or_path=offload).keep_on == torch.device("cpu")
+    assert crew.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}).keep_on is None
+    with pytest.raises(ConfigError, match=r"zero.Init\(config_dict_or_path='.*missing.json'\): cannot read it"):
+        crew.zero.Init(config_dict_or_path=str(tmp_path / "missing.json"))

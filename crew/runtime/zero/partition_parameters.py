@@ -24,6 +24,7 @@ from enum import Enum
 
 import torch
 
+from crew.errors import ConfigError
 from crew.runtime import comm
 
 __all__ = ["Init", "ZeroParamStatus", "ZeroParamType", "is_zero_param", "register_external_parameter",
@@ -251,8 +252,12 @@ def _piece_device(remote_device, config) -> torch.device | None:
     """The CPU when asked (remote_device="cpu", or the config's zero_optimization.offload_param), else
     None: where the collectives run."""
     if isinstance(config, (str, os.PathLike)):
-        with open(config) as file:
-            config = json.load(file)
+        try:
+            with open(config) as file:
+                config = json.load(file)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"zero.Init(config_dict_or_path={str(config)!r}): cannot read it as a JSON "
+                              f"config ({exc}). Give the path of your DeepSpeed config, or the dict.") from None
     section = config.get("zero_optimization") if isinstance(config, dict) else None
     offload = (section or {}).get("offload_param") or {}
     wanted = remote_device or (offload.get("device") if isinstance(offload, dict) else None)
