@@ -125,9 +125,13 @@ def test_resume_from_checkpoint_continues_exactly(job):
 def test_save_model_writes_a_model_from_pretrained_loads(job):
     from transformers import GPT2LMHeadModel
 
-    folder, _, tensors, _, _ = job
+    folder, results, tensors, _, _ = job
     loaded = GPT2LMHeadModel.from_pretrained(folder / "out" / "final")
     assert_same({name: value.detach() for name, value in loaded.named_parameters()}, tensors["full"])
+    # generate() on the trained ZeRO-3 model, on both ranks, gives the saved model's tokens
+    prompt = torch.load(folder / "data.pt", weights_only=True)["eval"][:2, :4]
+    expected = loaded.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
+    assert results[0]["generated"] == results[1]["generated"] == expected
 
 
 def test_save_model_without_gathering_leaves_a_checkpoint_zero_to_fp32_recovers(job, monkeypatch):

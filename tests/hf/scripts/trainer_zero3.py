@@ -2,7 +2,8 @@
 # with "auto" values, TrainingArguments(deepspeed=...) made first (so that HfDeepSpeedConfig is alive and
 # from_pretrained builds the model under deepspeed.zero.Init and loads it through its ZeRO-3 path), then
 # from_pretrained of the checkpoint the test wrote. Four Trainers, one after another in this process:
-#   full    6 steps, evaluation at the start and every 3 steps, checkpoints at 3 and 6, save_model(final);
+#   full    6 steps, evaluation at the start and every 3 steps, checkpoints at 3 and 6, save_model(final),
+#           then generate() on the sharded model;
 #   resumed a fresh model and Trainer from checkpoint-3 with stage3_gather_16bit_weights_on_model_save false,
 #           so that its save_model takes Trainer's fallback (save_checkpoint + zero_to_fp32.py);
 #   lora    PEFT LoRA on the same pretrained base, 4 steps, checkpoints at 2 and 4, save_model(lora/final);
@@ -106,7 +107,11 @@ args = arguments("out", 6, 3, evaluate=True)
 model = GPT2LMHeadModel.from_pretrained(cli.pretrained)
 result.update(world=dist.get_world_size(), zero3_enabled=is_deepspeed_zero3_enabled(), held=held(model))
 tensors["loaded"], _ = whole(model)
-run("full", args, model).save_model("out/final")
+full = run("full", args, model)
+full.save_model("out/final")
+with torch.no_grad():  # HF generate on the sharded model, outside the engine's forward (every rank)
+    prompt = data["eval"][:2, :4].to(full.model.device)
+    result["generated"] = full.model.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
 
 args = arguments("out-resumed", 6, 3, gather=False, evaluate=True)
 run("resumed", args, GPT2LMHeadModel.from_pretrained(cli.pretrained), resume="out/checkpoint-3").save_model(
