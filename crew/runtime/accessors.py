@@ -28,6 +28,7 @@ import torch
 from crew.errors import ConfigError, CrewError
 from crew.runtime import registry
 from crew.runtime.config_view import DeepSpeedConfig, deepspeed_optimizer_name
+from crew.runtime.zero.stage3 import shards_visible
 
 _MOMENTUM_OPTIMIZERS = ("SGD", "RMSprop")
 # DeepSpeed's DtypeEnum spellings (runtime/config_utils.py)
@@ -312,7 +313,8 @@ class DeepSpeedAccessors:
             return state
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         options = StateDictOptions(full_state_dict=True, ignore_frozen_params=exclude_frozen_parameters)
-        full = get_model_state_dict(self.module, options=options)
+        with shards_visible():
+            full = get_model_state_dict(self.module, options=options)
         dtype = self.precision.dtype
         state = destination if destination is not None else {}
         for name, value in full.items():
@@ -334,7 +336,8 @@ class DeepSpeedAccessors:
         # gathered one parameter at a time onto rank 0's CPU: no rank holds the whole model on its device
         options = StateDictOptions(full_state_dict=True, cpu_offload=True,
                                    ignore_frozen_params=exclude_frozen_parameters)
-        full = get_model_state_dict(self.module, options=options)
+        with shards_visible():
+            full = get_model_state_dict(self.module, options=options)
         if self.global_rank != 0:
             return None
         dtype = self.precision.dtype

@@ -10,6 +10,7 @@ And the GPU-shaped start, without a GPU: Accelerate's `deepspeed.comm.init_distr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -63,22 +64,35 @@ CONFIGS = {
                               "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
                               "reduce_scatter": True, "reduce_bucket_size": "auto", "contiguous_gradients": True}},
 }
+# ZeRO-3 as accelerate's deepspeed_with_config_support.py runs it (zero3_init_flag, get_state_dict for
+# save_pretrained on every rank): the model is sharded, the rest as at stage 2
+CONFIGS[3] = {**CONFIGS[2], "zero_optimization": {**CONFIGS[2]["zero_optimization"], "stage": 3,
+                                                  "stage3_gather_16bit_weights_on_model_save": True}}
 # The lr each of the 6 steps used. Stage 1: DeepSpeed's WarmupDecayLR as Accelerate fills it (min 0, max the
 # DummyOptim's 0.01, warmup 2 steps, total 6 / 2 processes), its log warmup at 0 for two steps. Stage 2:
 # transformers' linear schedule, which Accelerate steps once per process at each optimizer step.
 LRS = {1: [0.0, 0.0, 0.01, 0.01, 0.0, 0.0], 2: [0.01 * (12 - 2 * k) / 12 for k in range(6)]}
+LRS[3] = LRS[2]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["zero1-config-optimizer", "zero2-client-optimizer"])
+@pytest.fixture(scope="module", params=[1, 2, 3],
+                ids=["zero1-config-optimizer", "zero2-client-optimizer", "zero3-client-optimizer"])
 def job(request, tmp_path_factory):
     stage = request.param
     folder = tmp_path_factory.mktemp(f"zero{stage}")
-    (folder / "accelerate_ds.yaml").write_text(ACCELERATE_YAML)
+    (folder / "accelerate_ds.yaml").write_text(ACCELERATE_YAML.replace("zero3_init_flag: false",
+                                                                       f"zero3_init_flag: {str(stage == 3).lower()}"))
     (folder / "ds.json").write_text(json.dumps(CONFIGS[stage], indent=2))
     run = crew("run", "--as_deepspeed", "--num_gpus", "2", "--config_file", "accelerate_ds.yaml", str(SCRIPT),
                cwd=folder)
     assert run.code == 0, run.err[-4000:]
-    return stage, run, [json.loads((folder / f"result{rank}.json").read_text()) for rank in range(2)]
+    results = [json.loads((folder / f"result{rank}.json").read_text()) for rank in range(2)]
+    if stage == 3:  # the script's own from_pretrained is under zero.Init there (as under DeepSpeed): load it here
+        from transformers import GPT2LMHeadModel
+        loaded = GPT2LMHeadModel.from_pretrained(folder / "out" / "model")
+        results[0]["loaded_digest"] = hashlib.sha256(
+            b"".join(p.detach().numpy().tobytes() for p in loaded.parameters())).hexdigest()
+    return stage, run, results
 
 
 def close(a: float, b: float, rel: float = 1e-6) -> bool:
@@ -121,8 +135,8 @@ def test_each_step_equals_one_process_on_the_global_batch(job):
 
 
 def test_unwrapped_parameters_are_whole_and_equal_on_both_ranks(job):
-    _, _, (rank0, rank1) = job
-    assert rank0["whole"] and rank1["whole"]
+    stage, _, (rank0, rank1) = job
+    assert rank0["whole"] == rank1["whole"] == (stage < 3)  # ZeRO-3: sharded (the digest gathers them)
     assert rank0["final"] == rank1["final"]
     assert rank0["loaded_digest"] == rank0["resumed_digest"]  # save_pretrained of get_state_dict -> from_pretrained
 
@@ -134,7 +148,7 @@ def test_save_state_and_load_state_resume_exactly(job):
     assert {"pytorch_model", "pytorch_model/crew_checkpoint.json", "random_states_0.pkl",
             "random_states_1.pkl"} <= files
     # Accelerate saves a scheduler it steps itself; DeepSpeed's scheduler is in the engine's checkpoint
-    assert ("scheduler.bin" in files) == (stage == 2)
+    assert ("scheduler.bin" in files) == (stage != 1)
     assert seen["finite"] and seen["full"][-1]["loss"] < seen["full"][0]["loss"]  # it trains
     uninterrupted = seen["full"][3:]
     for a, b in zip(uninterrupted, seen["resumed"], strict=True):

@@ -259,7 +259,8 @@ def train_shares(rank: int, ds: dict, steps: int) -> dict:
 
     engine, _, loader, _ = crew.initialize(model=make_model(), config=ds, training_data=make_dataset())
     train_steps(engine, iter(loader), steps)
-    state = engine.module.state_dict()  # at stage 3, DTensor shards: gather them (a collective)
+    with crew.runtime.zero.stage3.shards_visible():  # at stage 3, DTensor shards: gather them (a collective)
+        state = engine.module.state_dict()
     return {name: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
             for name, value in state.items()}
 

@@ -431,8 +431,12 @@ def gather_and_modify(rank: int, stage: int, precision: str | None) -> dict:
         with_grad = None
     except CrewError as error:
         with_grad = str(error)
+    state = engine.module.state_dict()  # stage 3: DeepSpeed's empty placeholders, never DTensors
+    kept = engine.module.state_dict(keep_vars=True)["0.0.weight"] is weight
     return {"fetched": len(fetch), "seen": seen, "before": before, "after_dropped": after_dropped,
-            "after_written": after_written, "master": master_value, "outside": outside, "with_grad": with_grad}
+            "after_written": after_written, "master": master_value, "outside": outside, "with_grad": with_grad,
+            "state": {type(v).__name__ for v in state.values()}, "state_numel": sum(v.numel() for v in state.values()),
+            "keep_vars": kept}
 
 
 def gather_at_every_stage(rank: int) -> list[dict]:
@@ -450,11 +454,13 @@ def test_gathered_parameters_show_whole_tensors_and_write_back_the_modifier_rank
             assert torch.all(result["master"] == 1.0)  # the fp32 copy the optimizer steps moved too
             assert result["outside"] == (2, 16)
             assert "called outside the forward of the model the engine wraps" in result["with_grad"]
+            assert (result["state"], result["state_numel"], result["keep_vars"]) == ({"Tensor"}, 0, True)
         for result in results[2:]:  # stages 0-2: nothing is partitioned, the block does nothing (DeepSpeed)
             assert result["fetched"] == 0
             assert torch.all(result["after_dropped"] == 5.0)
             assert torch.all(result["after_written"] == float(rank + 1))
             assert result["with_grad"] is None
+            assert result["state_numel"] == sum(p.numel() for p in make_model().parameters())
 
 
 # -- zero_optimization keys -------------------------------------------------------------------

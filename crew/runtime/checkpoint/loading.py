@@ -28,6 +28,7 @@ from crew.runtime.checkpoint.layout import (
     read_model_states,
 )
 from crew.runtime.checkpoint.state import groups_by_name, merge_by_name
+from crew.runtime.zero.stage3 import shards_visible
 
 
 def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
@@ -167,7 +168,8 @@ def _read_shards(engine, folder: Path, states: dict, optimizer: bool) -> None:
 def _check_fits(engine, states: dict, folder: Path, strict: bool) -> None:
     sharded = states["manifest"]["format"] == SHARDED
     path = folder / (SHARDED_DIR if sharded else "model_states.*")
-    expected = {name: tuple(value.shape) for name, value in engine.module.state_dict().items()}
+    with shards_visible():  # stage 3: the DTensors' whole shapes
+        expected = {name: tuple(value.shape) for name, value in engine.module.state_dict().items()}
     saved = states["shapes"]
     differ = [f"{name}: saved {shape}, model {expected[name]}"
               for name, shape in saved.items() if name in expected and shape != expected[name]]

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from crew.runtime.checkpoint.integrity import Verifier
 from crew.runtime.checkpoint.layout import CheckpointError, HashingWriter
 from crew.runtime.checkpoint.state import merge_by_name
+from crew.runtime.zero.stage3 import shards_visible
 
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": None,  # any: DCP's metadata dataclasses
@@ -109,6 +110,7 @@ class _Writer(FileSystemWriter):
         self.fs = _HashingFileSystem(written)
 
 
+@shards_visible()
 def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, written: dict,
          exclude_frozen: bool = False) -> dict:
     """Write this rank's shards (a collective), their sizes and checksums into `written` by file
@@ -178,6 +180,7 @@ def saved_module_shapes(folder: Path, verifier: Verifier) -> dict[str, tuple[int
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
 
+@shards_visible()
 def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, strict: bool,
          optimizer_rest: dict | None, verifier: Verifier) -> None:
     """Load the shards this rank's parameters (and, given `optimizer_rest`, its optimizer state)
@@ -211,6 +214,7 @@ def _check_optimizer_keys(state: dict, entries: dict, folder: Path) -> None:
             "Load with load_optimizer_states=False (or load_module_only=True) to take the weights only.")
 
 
+@shards_visible()
 def load_full(module: torch.nn.Module, optimizer: torch.optim.Optimizer, module_state: dict,
               optimizer_state: dict | None, strict: bool) -> None:
     """Load whole tensors (every rank holds them all, e.g. from a stage 0-2 checkpoint) into the
@@ -224,8 +228,13 @@ def load_full(module: torch.nn.Module, optimizer: torch.optim.Optimizer, module_
 
 def _set_both(module: torch.nn.Module, optimizer: torch.optim.Optimizer, module_state: dict,
               optimizer_state: dict, options: StateDictOptions) -> None:
+    groups = list(optimizer.param_groups)
     set_state_dict(module, optimizer, model_state_dict=module_state, optim_state_dict=optimizer_state,
                    options=options)
+    for group, loaded in zip(groups, optimizer.param_groups, strict=True):
+        if group is not loaded:  # the saved values into the same dicts: a scheduler outside holds them
+            group.update(loaded)
+    optimizer.param_groups[:] = groups
     if not optimizer_state["state"]:  # saved before the first step: drop the state set_state_dict
         optimizer.state.clear()       # made up (a step at lr 0), or Adam would count that step
 
@@ -251,6 +260,7 @@ def read_full(folder: Path, verifier: Verifier, with_optimizer: bool = False) ->
     return module, optimizer
 
 
+@shards_visible()
 def full_module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole module state on rank 0 (on the CPU), an empty dict elsewhere. A collective."""
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -8,10 +8,18 @@ scripts that look for them (DeepSpeed-Chat, PEFT) see a ZeRO-3 model.
 A module called outside its unit's forward (HF `generate` helpers, `get_input_embeddings()(ids)`) would meet
 DTensor shards; a hook lets it see its parameters whole for that call, as DeepSpeed's hooks do. Such a call
 computes no gradients for those parameters: with gradients enabled it is an error that says so.
+
+`model.state_dict()` gives DeepSpeed's empty placeholders for the sharded parameters, as DeepSpeed's stage 3
+does: code written for it (`save_pretrained` on every rank, with the whole weights passed on rank 0 only)
+must not meet DTensors, whose operations can be collectives that only some ranks call. crew's own checkpoint
+code (`shards_visible()`) and torch.distributed.checkpoint's state-dict functions see the shards.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,6 +56,7 @@ def shard(model: torch.nn.Module, world_size: int, device: torch.device, wrap_ru
     for name, param in current.items():
         _mark_partitioned(param, ds_ids.get(name), compute_dtype)
     _see_whole_outside_forward(model)
+    model.register_state_dict_post_hook(_placeholders)
     log_rank0("ZeRO stage %d: fully_shard over %d ranks, %d wrapped units (+ root)%s",
               stage, world_size, len(units), ", CPU offload" if offload else "")
     return {id(p): current[name] for name, p in before if name in current}
@@ -73,6 +82,42 @@ def _mark_partitioned(param: torch.nn.Parameter, ds_id: int | None, compute_dtyp
     param.ds_shape, param.ds_numel = param.shape, param.numel()
     param.ds_status = pp.ZeroParamStatus.NOT_AVAILABLE
     param.ds_persist = False
+
+
+# -- state_dict() ------------------------------------------------------------------------------
+
+_SHARDS_VISIBLE = 0
+
+
+@contextlib.contextmanager
+def shards_visible() -> Iterator[None]:
+    """Inside: `model.state_dict()` holds the FSDP2 shards (DTensors), for torch.distributed.checkpoint."""
+    global _SHARDS_VISIBLE
+    _SHARDS_VISIBLE += 1
+    try:
+        yield
+    finally:
+        _SHARDS_VISIBLE -= 1
+
+
+def _placeholders(module: torch.nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    if _SHARDS_VISIBLE or _called_from_torch_checkpoint():
+        return
+    for key, value in state.items():  # keep_vars=True: the parameter objects themselves, as DeepSpeed's
+        if hasattr(value, "device_mesh") and not isinstance(value, torch.nn.Parameter):
+            state[key] = torch.empty(0, dtype=value.dtype, device=value.device)
+
+
+def _called_from_torch_checkpoint() -> bool:
+    """torch.distributed.checkpoint's get_(model_)state_dict reads the shards through state_dict()."""
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 # -- calls outside a unit's forward ---------------------------------------------------------------
