@@ -8,7 +8,7 @@ path. With `--outside_init` the model is loaded first, before TrainingArguments 
 every rank builds and loads the whole model, and deepspeed.initialize partitions it afterwards).
 
     train.py PRETRAINED OUT --record run.json [--steps 12] [--length 16] [--batch 4] [--outside_init]
-        [--evaluate] [--gloo_for_accelerate]
+        [--evaluate]
 
 Each rank writes RECORD with .rank<N> before the suffix: its memory (VmRSS from /proc/self/status, the peak
 so far, resource.getrusage ru_maxrss, and the bytes of the tensors alive, from a gc census) after the imports,
@@ -16,9 +16,10 @@ after from_pretrained, after deepspeed.initialize (Trainer's on_train_begin) and
 elements it holds after from_pretrained (its ZeRO partitions plus every parameter's .data); rank 0 also
 Trainer's log history.
 
-`--gloo_for_accelerate` (for DeepSpeed on a machine without GPUs): Accelerate picks no backend for a CPU
-rank with a DeepSpeed config and counts a world of one, where DeepSpeed's batch-size check stops a 2-rank
-run; the flag gives it gloo over the launched ranks, as crew's rank site does under --as_deepspeed.
+On a machine without GPUs Accelerate picks no backend for a CPU rank with a DeepSpeed config and counts a
+world of one, where DeepSpeed's batch-size check stops a 2-rank run: zero3_compare.py runs DeepSpeed's side
+with crew's rank site (crew/launcher/node/site, standard library only) on its path and
+CREW_DEEPSPEED_ON_CPU=1, which hands Accelerate gloo over the launched ranks, as under --as_deepspeed.
 """
 
 import argparse
@@ -28,20 +29,6 @@ import resource
 import time
 
 STARTED = time.time()
-
-
-def gloo_for_accelerate() -> None:
-    from accelerate import state
-
-    original = state.PartialState._prepare_backend
-
-    def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
-        chosen, kind = original(self, cpu, sagemaker_dp, backend)
-        if chosen is None and not cpu and int(os.environ.get("LOCAL_RANK", -1)) != -1:
-            return "gloo", state.DistributedType.MULTI_CPU
-        return chosen, kind
-
-    state.PartialState._prepare_backend = _prepare_backend
 
 
 def memory() -> dict:
@@ -112,11 +99,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="rows per micro batch")
     parser.add_argument("--outside_init", action="store_true")
     parser.add_argument("--evaluate", action="store_true", help="evaluate at the start and at the end")
-    parser.add_argument("--gloo_for_accelerate", action="store_true")
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
-    if args.gloo_for_accelerate:
-        gloo_for_accelerate()
 
     import torch
     import torch.distributed as dist

@@ -11,8 +11,9 @@ deepspeed.zero.Init and loaded through transformers' ZeRO-3 path), Trainer. Both
 on this machine's CPU: DeepSpeed as its users start it, `deepspeed --num_gpus 2 train.py ...`
 (DS_ACCELERATOR=cpu), crew as `crew run --as_deepspeed --num_gpus 2 train.py ...`. On a machine without
 GPUs, Accelerate (which Trainer runs on) counts a world of one per rank and DeepSpeed's batch-size check
-stops a 2-rank run; for DeepSpeed the script is given `--gloo_for_accelerate`, which hands Accelerate gloo
-over the launched ranks as crew's rank site does (benchmarks/hf_compare.py ran DeepSpeed with 1 process).
+stops a 2-rank run; DeepSpeed's ranks get crew's rank site (standard library only) on their path with
+CREW_DEEPSPEED_ON_CPU=1, which hands Accelerate gloo over the launched ranks exactly as under --as_deepspeed
+(benchmarks/hf_compare.py ran DeepSpeed with 1 process).
 
 * losses: a tiny GPT-2 (2 layers, width 32, vocabulary 100) written with save_pretrained, --steps optimizer
   steps (micro batch 4, accumulation 2, AdamW, WarmupLR, clipping 1.0), evaluated at the start and the end:
@@ -84,8 +85,10 @@ def engines(args: argparse.Namespace) -> list[Engine]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    site = HERE.parent / "crew" / "launcher" / "node" / "site"  # Accelerate gets gloo, as crew's ranks do
+    paths = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     deepspeed = Engine("deepspeed", [str(Path(args.deepspeed_python).parent / "deepspeed"), "--num_gpus", "2"],
-                       {**env, "DS_ACCELERATOR": "cpu"}, ["--gloo_for_accelerate"])
+                       {**env, "DS_ACCELERATOR": "cpu", "CREW_DEEPSPEED_ON_CPU": "1", "PYTHONPATH": paths}, [])
     crew = Engine("crew", [str(Path(sys.executable).parent / "crew"), "run", "--as_deepspeed", "--num_gpus", "2"],
                   env, [])
     return [engine for engine in (deepspeed, crew) if engine.name in args.engines.split(",")]
