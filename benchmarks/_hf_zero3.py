@@ -59,26 +59,17 @@ def live_tensors() -> int:
 
 
 def deepspeed_config() -> dict:
-    return {
-        "fp16": {"enabled": "auto"},
-        "bf16": {"enabled": "auto"},
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-        "scheduler": {"type": "WarmupLR",
-                      "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
-        "zero_optimization": {
-            "stage": 3, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
-            "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-            "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-            "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-            "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "steps_per_print": 2000,
-        "train_batch_size": "auto",
-        "train_micro_batch_size_per_gpu": "auto",
-        "wall_clock_breakdown": False,
-    }
+    """hf_compare's HF-docs config (benchmarks/_hf_trainer.py) with the docs' stage-3 section."""
+    from _hf_trainer import deepspeed_config as hf_docs_config  # beside this script: on its sys.path
+
+    config = hf_docs_config(3)
+    config["zero_optimization"] = {
+        "stage": 3, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
+        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}
+    return config
 
 
 def held(model) -> dict:
