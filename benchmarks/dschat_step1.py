@@ -53,6 +53,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "hf"))
+from _jobs import run_job  # noqa: E402  (beside this script: on its sys.path)
 from dschat_tiny import eval_loss, write_data, write_model  # noqa: E402
 
 MAX_SEQ_LEN = 64
@@ -156,8 +157,7 @@ def run(launcher: tuple[list[str], dict], chat: Path, model: Path, out: Path, st
             "2", "--num_train_epochs", str(epochs), "--learning_rate", "1e-2", "--dropout", "0.0", "--print_loss",
             "--dtype", dtype, "--zero_stage", str(stage), "--deepspeed", "--output_dir", str(out), *extra]
     started = time.monotonic()
-    proc = subprocess.run([*command, str(main), *argv], cwd=out.parent, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = run_job([*command, str(main), *argv], cwd=out.parent, env=env, timeout=900)
     wall = time.monotonic() - started
     output = proc.stdout + proc.stderr
     out.parent.joinpath(out.name + ".log").write_text(output)

@@ -41,12 +41,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from _jobs import run_job  # beside this script: on its sys.path
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = {"trainer": HERE / "_hf_trainer.py", "accelerate": HERE / "_hf_accelerate.py"}
@@ -106,7 +107,7 @@ def launch(engine: Engine, folder: Path, label: str, stage: int, args: argparse.
     if resume:
         command += ["--resume", resume]
     launched = time.time()
-    proc = subprocess.run(command, cwd=folder, env=engine.env, capture_output=True, text=True, timeout=900)
+    proc = run_job(command, cwd=folder, env=engine.env, timeout=900)
     wall = time.time() - launched
     if proc.returncode or not record.exists():
         sys.exit(f"{engine.name} ({label}) failed with code {proc.returncode}: {' '.join(command)}\n"

@@ -47,12 +47,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from _jobs import run_job  # beside this script: on its sys.path
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "_hf_zero3.py"
@@ -111,7 +112,7 @@ def launch(engine: Engine, folder: Path, label: str, pretrained: Path, options: 
     command = [*engine.command, str(SCRIPT), str(pretrained), str(out), "--record", str(record), *options,
                *engine.extra]
     started = time.time()
-    proc = subprocess.run(command, cwd=folder, env=engine.env, capture_output=True, text=True, timeout=1800)
+    proc = run_job(command, cwd=folder, env=engine.env, timeout=1800)
     wall = time.time() - started
     records = [record.with_name(f"{record.stem}.rank{rank}{record.suffix}") for rank in range(2)]
     if proc.returncode or not all(r.exists() for r in records):
