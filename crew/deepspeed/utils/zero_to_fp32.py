@@ -11,6 +11,7 @@ import torch
 
 from crew.log import warn_once
 from crew.runtime.checkpoint import CheckpointError, export, read_latest
+from crew.runtime.checkpoint.deepspeed_files import is_deepspeed_tag
 from crew.runtime.checkpoint.exporting import read_fp32_module
 from crew.runtime.checkpoint.layout import MANIFEST
 
@@ -30,8 +31,9 @@ def _tag_folder(checkpoint_dir, tag=None) -> Path:
             raise CheckpointError(f"Unable to find 'latest' file at {folder / 'latest'}: pass tag= (the name "
                                   f"of a checkpoint folder in {folder}) or the save dir of a crew checkpoint")
     tagged = folder / str(tag)
-    if not (tagged / MANIFEST).is_file():
-        raise CheckpointError(f"{tagged} is not a crew checkpoint (no {MANIFEST}): no tag {tag!r} in {folder}")
+    if not (tagged / MANIFEST).is_file() and not is_deepspeed_tag(tagged):
+        raise CheckpointError(f"{tagged} is not a crew or DeepSpeed checkpoint (no {MANIFEST}, no "
+                              f"mp_rank_00_model_states.pt): no tag {tag!r} in {folder}")
     return tagged
 
 

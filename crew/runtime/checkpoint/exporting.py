@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 
 from crew.runtime import comm
+from crew.runtime.checkpoint import deepspeed_format
 from crew.runtime.checkpoint.collective import agree, attempt
+from crew.runtime.checkpoint.deepspeed_files import is_deepspeed_tag
 from crew.runtime.checkpoint.integrity import Verifier
 from crew.runtime.checkpoint.layout import (
     MANIFEST,
@@ -62,13 +64,14 @@ def write_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
     """`crew export`: a save dir (its `latest`) or a tag folder -> one fp32 state dict file. A
-    sharded checkpoint (stage 3) is consolidated here, in this one process."""
+    sharded checkpoint (stage 3) is consolidated here, in this one process; so is DeepSpeed's (its fp32
+    master weights)."""
     folder = Path(checkpoint)
-    if not (folder / MANIFEST).is_file():
+    if not (folder / MANIFEST).is_file() and not is_deepspeed_tag(folder):
         tag = read_latest(folder)
         if tag is None:
-            raise CheckpointError(f"{folder} is neither a checkpoint tag folder (no {MANIFEST}) "
-                                  "nor a save dir with a 'latest' file")
+            raise CheckpointError(f"{folder} is neither a checkpoint tag folder (no {MANIFEST}, no DeepSpeed "
+                                  "mp_rank_00_model_states.pt) nor a save dir with a 'latest' file")
         folder = folder / tag
     write_state_dict(read_fp32_module(folder), Path(out))
     return folder
@@ -77,6 +80,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
 def read_fp32_module(folder: Path) -> dict[str, torch.Tensor]:
     """A tag folder's whole module state, floating-point tensors in fp32, whatever its ZeRO stage."""
     from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stage 3 pays its import
+    if is_deepspeed_tag(folder):
+        return deepspeed_format.read_fp32_module(folder)
     manifest = read_manifest(folder)
     verifier = Verifier(folder, manifest)
     if manifest["format"] == SHARDED:

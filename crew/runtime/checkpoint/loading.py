@@ -11,7 +11,9 @@ import torch
 
 from crew.log import log_rank0, logger
 from crew.runtime import comm
+from crew.runtime.checkpoint import deepspeed_format
 from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere, where
+from crew.runtime.checkpoint.deepspeed_files import is_deepspeed_tag
 from crew.runtime.checkpoint.integrity import Verifier, identity, share_out
 from crew.runtime.checkpoint.layout import (
     CLIENT_STATE,
@@ -46,9 +48,13 @@ def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_sta
     what = f"load_checkpoint({load_dir}, tag={tag})"
     optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     states: dict = {}
-    agree(attempt(_locate, engine, folder, states, from_latest), what)
-    agree(attempt(_verify, states, share_out(states.get("identities", []))), what)
-    agree(attempt(_read_all, engine, folder, states, optimizer), what)
+    if is_deepspeed_tag(folder):  # a DeepSpeed 0.19 checkpoint: read into the same states (deepspeed_format.py)
+        agree(attempt(deepspeed_format.read_for_load, engine, folder, states, load_optimizer_states,
+                      load_lr_scheduler_states, load_module_only), what)
+    else:
+        agree(attempt(_locate, engine, folder, states, from_latest), what)
+        agree(attempt(_verify, states, share_out(states.get("identities", []))), what)
+        agree(attempt(_read_all, engine, folder, states, optimizer), what)
     agree(attempt(_check_fits, engine, states, folder, load_module_strict), what)
     if optimizer:
         agree(attempt(_prepare_optimizer_state, engine, states, folder), what)
@@ -167,7 +173,7 @@ def _read_shards(engine, folder: Path, states: dict, optimizer: bool) -> None:
 
 def _check_fits(engine, states: dict, folder: Path, strict: bool) -> None:
     sharded = states["manifest"]["format"] == SHARDED
-    path = folder / (SHARDED_DIR if sharded else "model_states.*")
+    path = states.get("module_file") or folder / (SHARDED_DIR if sharded else "model_states.*")
     with shards_visible():  # stage 3: the DTensors' whole shapes
         expected = {name: tuple(value.shape) for name, value in engine.module.state_dict().items()}
     saved = states["shapes"]
@@ -188,6 +194,10 @@ def _prepare_optimizer_state(engine, states: dict, folder: Path) -> None:
     """states["optimizer"]: the saved optimizer state in the form this engine loads. Between stages
     0-2 (by index) and 3 (by parameter name) it is converted by parameter name."""
     saved, manifest = states["model"], states["manifest"]
+    if manifest["format"] == deepspeed_format.DEEPSPEED:  # by parameter name, whole
+        states["optimizer"] = saved["optimizer"] if engine.zero.shards_params else \
+            _by_index(saved["optimizer"], folder, manifest, engine)
+        return
     by_name = manifest["format"] == SHARDED
     if engine.zero.shards_params == by_name:
         states["optimizer"] = saved["optimizer"]
@@ -297,6 +307,11 @@ def _load_the_rest(engine, states: dict, scheduler: bool, module_only: bool) -> 
     engine._boundary_override = saved.get("boundary_override")  # set_gradient_accumulation_boundary's, sticky
     if engine.balancer is not None:  # before the loader's position: that is counted in micro steps
         engine.balancer.restore(saved.get("micro_batch_sizes"))
+    if states["manifest"]["format"] == deepspeed_format.DEEPSPEED:
+        log_rank0("DeepSpeed checkpoint (ZeRO stage %d, %d ranks) loaded at stage %d on %d ranks; DeepSpeed saves "
+                  "no RNG states or data position", states["manifest"]["zero_stage"], saved["world_size"],
+                  engine.zero.stage, comm.get_world_size())
+        return
     if states["rank"] is None:
         log_rank0("checkpoint was saved on %d ranks, this run has %d: model, optimizer and "
                   "scheduler are loaded; per-rank RNG and data positions start fresh",
