@@ -9,6 +9,7 @@ This module, and all it imports, stays free of torch: only the ranks import it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from crew import __version__, precheck, wizard
 from crew.cliparser import CrewParser
-from crew.errors import CrewError
+from crew.errors import PREEMPTED_EXIT_CODE, CrewError
 from crew.launcher.transport import runners
 from crew.launcher.plan.hostfile import is_number
 from crew.launcher.console.console import Console
@@ -26,6 +27,7 @@ from crew.launcher.job.run import FANOUT, JobRun
 from crew.launcher.plan import dsflags
 from crew.launcher.plan.launch import (Launch, agent_launches, format_layout, job_spec, local_devices, remote_nodes,
                                        resolve)
+from crew.launcher.job import elastic, preempt
 from crew.launcher.job.record import JobRecord
 from crew.launcher.job.timing import Timing
 from crew.units import parse_bytes, parse_count
@@ -106,6 +108,12 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
             help="also write each rank's output to DIR/rank<N>.log on its node")
     _option(group, "--max_restarts", type=_count, default=0,
             help="restart the whole job up to N times after a failure")
+    _option(group, "--min_nodes", "--min_elastic_nodes", type=_window, metavar="M",
+            help="with --max_restarts: before each restart check every node again and continue on those that "
+                 "pass (hostfile nodes beyond --num_nodes are spares), as long as at least M do; the config's "
+                 "train_batch_size is kept by accumulating more")
+    _option(group, "--max_elastic_nodes", type=_window, metavar="N",
+            help="DeepSpeed's old spelling of --num_nodes for an elastic job: use N nodes, the rest are spares")
     _option(group, "--ssh_port", type=_port, help="ssh port for hosts that give none in the hostfile")
     _option(group, "--ssh_args", default="",
             help="extra ssh client arguments, e.g. \"-i ~/.ssh/cluster -F ssh_config\"")
@@ -163,11 +171,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     command = {n: list(a.argv) for a in launches for n in a.node_ranks}
     if args.json:
         data = {**launch.plan.to_json(), "launcher": launch.launcher}
+        if launch.spares:
+            data["spares"] = [{"host": h.name, "ssh_port": h.ssh_port, "slots": list(h.slots)} for h in launch.spares]
         for node_rank, node in enumerate(data["nodes"]):
             node["command"] = command.get(node_rank)
         print(json.dumps(data, indent=2))
         return 0
     print(format_layout(launch, verbose=True))
+    if launch.spares:
+        print(f"  spares (--min_nodes): {', '.join(h.name for h in launch.spares)}")
     for name, value in launch.plan.env.items():
         print(f"  env {name}={shlex.quote(value)}")
     for a in launches:
@@ -180,6 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CrewError("crew run: name the training script, e.g. crew run train.py --deepspeed")
     timing = Timing()
     launch = resolve(args)
+    elastic.check(args, launch)
     precheck.check_run(args, launch.launcher, launch.plan.world_size)  # before any rank or connection
     console = Console(sys.stdout.buffer, sys.stderr.buffer, level=args.log_level)
     _say_notes(launch, console.say, console.info)
@@ -199,18 +212,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     timing.mark("exit")
     if timing.enabled:
         console.say(timing.line())
+    if code == PREEMPTED_EXIT_CODE:
+        preempt.requeue_slurm_job(console.say)  # in an sbatch job: Slurm ends this one at once, so last
     return code
 
 
 def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console, timing: Timing) -> int:
     ports = {node.node_rank: node.ssh_port for node in launch.plan.nodes}
+    growing = elastic.Elastic(args, launch) if args.min_nodes else None
+    if growing:
+        launch = dataclasses.replace(launch, plan=dataclasses.replace(
+            launch.plan, env={**launch.plan.env, **growing.env}))
+    record = JobRecord(os.path.join(os.getcwd(), args.log_dir), ["crew", *sys.argv[1:]], launch.launcher,
+                       console.say, args.node_rank) if args.log_dir else None
     for attempt in range(args.max_restarts + 1):
         job = job_spec(launch, args, restart_count=attempt, console="tty" if console.tty else "plain")
         console.info(format_layout(launch, job.job_id, args.verbose))
         if job.as_deepspeed:
             console.info("--as_deepspeed: `import deepspeed` is crew on every rank")
-        record = JobRecord(job.log_dir, ["crew", *sys.argv[1:]], launch.launcher, console.say,
-                           args.node_rank) if job.log_dir else None
         gate = _preflight_gate(launch, job, args) if attempt == 0 else None
         run = JobRun(job, agent_launches(launch, job, args, extra=("--preflight",) if gate else ()), console,
                      ports, record, args.verbose, args.fanout, gate)
@@ -220,10 +239,35 @@ def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console, ti
         if run.all_started_at is not None:
             timing.mark("agents up", run.all_started_at)
         timing.mark("ranks done", run.finished_at)
-        if code == 0 or run.interrupted or attempt == args.max_restarts:
+        if code in (0, PREEMPTED_EXIT_CODE) or run.interrupted or attempt == args.max_restarts:
             return code
+        launch = _next_launch(launch, run, growing, args, console.say, record)
+        if launch is None:
+            return code
+        ports = {node.node_rank: node.ssh_port for node in launch.plan.nodes}
         console.say(f"restarting the job ({attempt + 1} of {args.max_restarts}).")
     return code
+
+
+def _next_launch(launch: Launch, run: JobRun, growing: elastic.Elastic | None, args: argparse.Namespace, say,
+                 record: JobRecord | None) -> Launch | None:
+    """Where the next attempt runs: the same nodes, or (--min_nodes) those that pass a re-check; None: stop."""
+    if growing is None:
+        new, entry = launch, elastic.restart_entry(launch, run)
+    else:
+        new, entry = growing.next_launch(launch, run, say)
+        if new is not None and new.plan.world_size != launch.plan.world_size:
+            try:
+                precheck.check_run(args, new.launcher, new.plan.world_size, growing.start.plan.world_size)
+            except CrewError as exc:
+                say(f"cannot continue on {new.plan.world_size} rank(s): {exc}")
+                new, entry = None, {**entry, "continued": False, "why_not": str(exc)}
+    if new is not None:
+        entry = {"continued": True, "world_size": new.plan.world_size,
+                 "nodes": [node.host for node in new.plan.nodes], **entry}
+    if record:
+        record.restarted(entry)
+    return new
 
 
 def _preflight_gate(launch: Launch, job, args: argparse.Namespace) -> PreflightGate | None:
@@ -318,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     _option(run, "--collective_timeout", type=_seconds, default=0.0, metavar="SECONDS",
             help="end the job, with every rank's stack, once such a wait has lasted this long (default: 0, "
                  "left to torch's own collective timeout, 30 minutes unless the script sets another)")
+    _option(run, "--preempt_grace", type=_seconds, default=120.0, metavar="SECONDS",
+            help="on SIGTERM or SIGUSR1 (a preemption notice) each rank gets SIGTERM and this long to finish its "
+                 "step and save (with \"preemption\": {\"enabled\": true} in its config) before SIGKILL "
+                 "(default: 120)")
     _option(run, "--skip_preflight", action="store_true",
             help="start without the quick check of every node (ssh, versions, script hash)")
     _option(run, "--sync", action="store_true",
@@ -402,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             from crew.launcher.plan.accelerate import apply_config_file
 
             apply_config_file(args, lambda text: print(f"crew: {text}", file=sys.stderr), args.command == "run")
+        if hasattr(args, "max_elastic_nodes"):
+            elastic.settle_options(args)
         return args.handler(args)
     except CrewError as exc:
         print(f"crew: error: {exc}", file=sys.stderr)

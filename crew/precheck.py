@@ -36,8 +36,9 @@ _BATCH_KEYS = (*_HF_BATCH_KEYS, "train_micro_batch_size_per_rank")
 _IMPORTS = re.compile(r"^\s*(?:import|from)\s+(crew|deepspeed)\b", re.MULTILINE)
 
 
-def check_run(args: argparse.Namespace, launcher: str, world_size: int) -> None:
-    """Raise CrewError for a script or config that would fail every rank; `args`: crew run's."""
+def check_run(args: argparse.Namespace, launcher: str, world_size: int, start_world_size: int | None = None) -> None:
+    """Raise CrewError for a script or config that would fail every rank; `args`: crew run's;
+    `start_world_size`: the world an elastic job started on (crew run --min_nodes), when it has changed."""
     skip = args.skip_preflight or getattr(args, "no_ssh_check", False)
     python = not (args.module or args.no_python)
     if python and not (skip and launcher in REMOTE_LAUNCHERS):
@@ -48,7 +49,7 @@ def check_run(args: argparse.Namespace, launcher: str, world_size: int) -> None:
             raise CrewError(f"crew run: {problem}{hatch}")
     config = config_argument(args.script_args)
     if config and not skip and (args.as_deepspeed or (python and imports_crew(Path(args.script)))):
-        check_config(config, world_size)
+        check_config(config, world_size, start_world_size)
 
 
 def missing_script(script: str) -> str | None:
@@ -95,7 +96,7 @@ def imports_crew(script: Path) -> bool:
     return names == {"crew"}
 
 
-def check_config(config: str, world_size: int) -> None:
+def check_config(config: str, world_size: int, start_world_size: int | None = None) -> None:
     """Read `config` (from the working directory) and resolve it for `world_size` ranks, as a rank's
     initialize() would; CrewError on a problem."""
     from crew.runtime.config import Config, ConfigError, read_json  # pydantic, no torch
@@ -105,7 +106,7 @@ def check_config(config: str, world_size: int) -> None:
         if any(data.get(key) == "auto" for key in _HF_BATCH_KEYS):  # filled in by the script's own arguments
             data = {k: v for k, v in data.items() if k not in _BATCH_KEYS} | {"train_micro_batch_size_per_gpu": 1}
         with _quiet():
-            Config.from_dict(data, world_size, source=config)
+            Config.from_dict(data, world_size, source=config, start_world_size=start_world_size)
     except ConfigError as exc:
         raise CrewError(f"{exc} Nothing was started (--skip_preflight starts without this check).") from None
 

@@ -164,13 +164,15 @@ def _stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
 
 
 def start_cluster(root: Path, nodes: int = 2, cpus_per_node: int = 2, gpus_per_node: int = 0,
-                  loopback_names: bool = False, timeout: float = 30) -> SlurmCluster:
+                  loopback_names: bool = False, timeout: float = 30, requeue_wait: int | None = None) -> SlurmCluster:
     """Start munged, slurmctld and one slurmd per node; return once every node is idle.
 
     Nodes are node1, node2, ... (names that resolve nowhere), or with `loopback_names` 127.0.0.2,
     127.0.0.3, ... as in tests/sshnodes.py, so that SLURM_JOB_NODELIST (127.0.0.[2-3]) names hosts a job
     can connect to (MASTER_ADDR). `gpus_per_node` > 0 gives each node that many fake GPUs (gres/gpu), so
-    steps see CUDA_VISIBLE_DEVICES."""
+    steps see CUDA_VISIBLE_DEVICES. `requeue_wait`: seconds a requeued job waits before it starts again (Slurm's
+    default: 120, its step credentials' lifetime, cred_expire; and then until the main scheduler's next pass,
+    up to a minute, which runs every second with it)."""
     root = root.resolve()
     (root / "state").mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="crew-slurm-"))
@@ -179,7 +181,7 @@ def start_cluster(root: Path, nodes: int = 2, cpus_per_node: int = 2, gpus_per_n
     cluster = SlurmCluster(root, root / "slurm.conf", names, cpus_per_node, run_dir)
     try:
         ports = free_ports(2 + nodes)
-        cluster.conf.write_text(slurm_conf(root, run_dir, names, cpus_per_node, ports, gpus_per_node))
+        cluster.conf.write_text(slurm_conf(root, run_dir, names, cpus_per_node, ports, gpus_per_node, requeue_wait))
         if gpus_per_node:
             (root / "gres.conf").write_text(fake_gpus(root, gpus_per_node))
         for name in names:
@@ -208,7 +210,8 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def slurm_conf(root: Path, run_dir: Path, names: list[str], cpus: int, ports: list[int], gpus: int = 0) -> str:
+def slurm_conf(root: Path, run_dir: Path, names: list[str], cpus: int, ports: list[int], gpus: int = 0,
+               requeue_wait: int | None = None) -> str:
     """slurm.conf for a private cluster: ports[0] controller, ports[1] default slurmd, then one per node."""
     host = socket.gethostname().split(".")[0]  # slurmctld only runs where SlurmctldHost names it
     lines = [
@@ -220,7 +223,7 @@ def slurm_conf(root: Path, run_dir: Path, names: list[str], cpus: int, ports: li
         "SlurmdUser=root",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={run_dir / 'munge.socket'}",
+        f"AuthInfo=socket={run_dir / 'munge.socket'}" + (f",cred_expire={requeue_wait}" if requeue_wait else ""),
         f"StateSaveLocation={root / 'state'}",
         f"SlurmdSpoolDir={run_dir / 'spool' / '%n'}",
         f"SlurmctldPidFile={root / 'slurmctld.pid'}",
@@ -239,6 +242,7 @@ def slurm_conf(root: Path, run_dir: Path, names: list[str], cpus: int, ports: li
         "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none",
     ]
+    lines += ["SchedulerParameters=sched_interval=1"] if requeue_wait else []
     gres = f" Gres=gpu:{gpus}" if gpus else ""
     lines += ["GresTypes=gpu"] if gpus else []
     lines += [f"NodeName={name} NodeHostname=localhost NodeAddr={_address(name)} Port={port} CPUs={cpus}{gres}"

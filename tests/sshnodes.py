@@ -99,6 +99,38 @@ class Cluster:
         for address in list(self.procs):
             self.stop_node(address)
 
+    def lose_node(self, address: str) -> list[int]:
+        """The node is gone, as if its power failed: SIGKILL its sshd and everything running under it (the
+        logins, crew's agent, the ranks) at once. The pids killed."""
+        proc = self.procs.pop(address)
+        doomed = [proc.pid, *descendants(proc.pid)]
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=10)
+        return doomed
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
 
 Binds = dict[str, list[tuple[Path, Path]]]  # address -> [(source, mount point)] seen by that node only
 

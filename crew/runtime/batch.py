@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +69,41 @@ def resolve_batch_sizes(train_batch_size: int | None, micro_batch: int | None, g
     if train_batch_size != micro_batch * grad_accum * world_size:
         raise _mismatch(train_batch_size, micro_batch, grad_accum, world_size, source)
     return train_batch_size, micro_batch, grad_accum
+
+
+def resolve_after_world_change(train_batch_size: int | None, micro_batch: int | None, grad_accum: int | None,
+                                world_size: int, start_world_size: int, source: str = "<dict>",
+                                auto: list[str] | None = None) -> tuple[tuple[int, int, int], str]:
+    """The batch triple when an elastic job (`crew run --min_nodes`) continues on `world_size` ranks after it
+    started on `start_world_size`, and the line that says what became of the global batch.
+
+    A config whose train_batch_size resolves at the start's world keeps it and the micro batch it resolved
+    to there; gradient accumulation makes up for the ranks lost (or gained), as DeepSpeed's elasticity did.
+    Without train_batch_size (or one that only fits this world: a Hugging Face script fills it in for the
+    world it sees), the keys resolve as usual and the global batch follows the world."""
+    try:
+        start = resolve_batch_sizes(train_batch_size, micro_batch, grad_accum, start_world_size, source, auto)
+    except BatchSizeError:
+        start = None
+    world = f"{world_size} rank(s) (the job started on {start_world_size})"
+    if train_batch_size is not None and start is not None:
+        total, micro, _ = start
+        if total % (micro * world_size):
+            unit = math.lcm(micro * world_size, micro * start_world_size)
+            raise BatchSizeError(
+                f"{source}: train_batch_size {total} cannot be kept on {world}: it is not a multiple of "
+                f"train_micro_batch_size_per_gpu {micro} x {world_size} ranks, so no whole number of "
+                f"accumulation steps makes it up. Use a train_batch_size that micro batch x every world size "
+                f"the job may continue on divides (e.g. {unit} for {start_world_size} and {world_size} ranks), "
+                f"or a --min_nodes that leaves such worlds only.", [{"train_batch_size": unit}])
+        here = resolve_batch_sizes(total, micro, None, world_size, source)
+        return here, (f"{world}: train_batch_size {total} kept, gradient_accumulation_steps {start[2]} -> "
+                      f"{here[2]} (micro batch {micro}).")
+    here = resolve_batch_sizes(train_batch_size, micro_batch, grad_accum, world_size, source, auto)
+    was = f" (was {start[0]})" if start and start[0] != here[0] else ""
+    keep = (" Set train_batch_size in the config to keep the global batch: gradient accumulation then grows "
+            "to make up for lost ranks." if was else "")
+    return here, f"{world}: the global batch is {here[0]}{was}.{keep}"
 
 
 def _neither_given(grad_accum: int | None, world_size: int, source: str, auto: list[str]) -> BatchSizeError:

@@ -34,7 +34,9 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from crew.errors import ConfigError
-from crew.runtime.batch import PER_RANK_KEY, BatchSizeError, resolve_batch_sizes, resolve_per_rank
+from crew.log import warn_once
+from crew.runtime.batch import (PER_RANK_KEY, BatchSizeError, resolve_after_world_change, resolve_batch_sizes,
+                                resolve_per_rank)
 
 __all__ = ["ActivationCheckpointingConfig", "BF16Config", "BatchSizeError", "Config", "ConfigWarning",
            "FP16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ignored_keys", "load_config",
@@ -89,6 +91,25 @@ class CheckpointConfig(BaseModel):
     resume_data_position: bool = Field(False, description="crew: load_checkpoint also puts the loader "
                                        "initialize() returned where it stopped. Off, as in DeepSpeed: the "
                                        "script skips the batches it consumed itself.")
+
+
+class PreemptionConfig(BaseModel):
+    """crew's own section (DeepSpeed has none): on SIGTERM or SIGUSR1, finish the step, save, exit 75
+    (crew/runtime/preemption.py)."""
+
+    model_config = _SECTION
+    enabled: bool = Field(False, description="crew: on SIGTERM or SIGUSR1 the ranks finish the optimizer step "
+                          "they are in, save a checkpoint and exit with 75 (preempted, resumable).")
+    save_dir: str | None = Field(None, description="crew: where that checkpoint goes; null = the folder of the "
+                                 "script's last engine.save_checkpoint call.")
+
+    @field_validator("save_dir")
+    @classmethod
+    def _not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(f"preemption.save_dir {value!r} names no folder: give one, or null for the folder "
+                             "of the script's last engine.save_checkpoint call")
+        return value
 
 
 class ActivationCheckpointingConfig(BaseModel):
@@ -183,6 +204,8 @@ class Config(BaseModel):
                              description="bf16 mixed precision.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO sharding.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig, description="crew: save and exit "
+                                         "on a preemption notice.")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard events.")
     csv_monitor: CSVConfig = Field(default_factory=CSVConfig, description="One CSV file per event tag.")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging.")
@@ -224,8 +247,12 @@ class Config(BaseModel):
         return self
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], world_size: int, source: str = "<dict>") -> Config:
-        """Validate `data` (not modified) and resolve the batch triple; raises ConfigError."""
+    def from_dict(cls, data: Mapping[str, Any], world_size: int, source: str = "<dict>",
+                  start_world_size: int | None = None) -> Config:
+        """Validate `data` (not modified) and resolve the batch triple; raises ConfigError.
+
+        `start_world_size`: the world an elastic job started on (default: CREW_START_WORLD_SIZE, which
+        `crew run --min_nodes` sets); when it differs, the batch follows `resolve_after_world_change`."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"{source}: a config must be a JSON object (dict), got {type(data).__name__}.")
         if type(world_size) is not int or world_size < 1:
@@ -236,7 +263,14 @@ class Config(BaseModel):
         auto = _drop_auto(work, source)
         given = _validate(_BatchKeys, {k: work.get(k) for k in _BATCH_KEYS}, source)
         per_rank = work.pop(PER_RANK_KEY, None)
-        if per_rank is None:
+        start_world_size = start_world_size or _start_world_size()
+        if per_rank is None and start_world_size not in (None, world_size):
+            batch, note = resolve_after_world_change(
+                given.train_batch_size, given.train_micro_batch_size_per_gpu, given.gradient_accumulation_steps,
+                world_size, start_world_size, source, auto)
+            warn_once(f"crew run --min_nodes: {note}")
+            work.update(zip(_BATCH_KEYS, batch))
+        elif per_rank is None:
             batch = resolve_batch_sizes(given.train_batch_size, given.train_micro_batch_size_per_gpu,
                                         given.gradient_accumulation_steps, world_size, source, auto)
             work.update(zip(_BATCH_KEYS, batch))
@@ -252,6 +286,12 @@ class Config(BaseModel):
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+START_WORLD_ENV = "CREW_START_WORLD_SIZE"  # set by `crew run --min_nodes` on every attempt
+
+
+def _start_world_size() -> int | None:
+    value = os.environ.get(START_WORLD_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 class _BatchKeys(BaseModel):
@@ -315,6 +355,7 @@ _SECTIONS = {
     "wandb": (frozenset(WandbConfig.model_fields), frozenset()),
     "activation_checkpointing": (frozenset(ActivationCheckpointingConfig.model_fields), frozenset({
         "partition_activations", "contiguous_memory_optimization"})),
+    "preemption": (frozenset(PreemptionConfig.model_fields), frozenset()),
     "checkpoint": (frozenset(CheckpointConfig.model_fields), frozenset({
         "load_universal", "parallel_write", "tag_validation", "use_node_local_storage"})),
 }

@@ -26,7 +26,7 @@ import torch
 
 from crew.errors import ConfigError
 from crew.log import log_rank0
-from crew.runtime import balance, checkpoint, comm, registry, zero
+from crew.runtime import balance, checkpoint, comm, preemption, registry, zero
 from crew.runtime.accessors import DeepSpeedAccessors
 from crew.runtime.config import Config
 from crew.runtime.monitor import Monitor, step_events
@@ -83,6 +83,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         # the last steps' events are written when the engine goes, or at exit (scripts never close it)
         weakref.finalize(self, self.monitor.close)
         registry.register(self)
+        self._preemption = preemption.make(config, self.device)  # None unless the config enables it
 
     def __getattr__(self, name: str):
         """As DeepSpeed's engine: what the engine does not have is looked up on the user's model."""
@@ -186,6 +187,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
                 self.balancer.after_step(self.global_steps)
         self.micro_steps += 1
         self.tput_timer.stop(global_step=boundary)
+        if boundary and self._preemption is not None:
+            self._preemption.after_step(self)  # a preemption notice on any rank: save and exit
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         if self.optimizer is None:
@@ -273,7 +276,10 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False):
         self.monitor.flush()  # what a resumed run appends to starts where this one's events end
-        return checkpoint.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        saved = checkpoint.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        if self._preemption is not None:
+            self._preemption.remember(save_dir, tag, client_state, self.global_steps)
+        return saved
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -2,20 +2,26 @@
 
 `crew run --log_dir DIR` writes it on this machine when the job starts and again when it ends, each time
 to a temporary file renamed over the last one, so that a reader never sees half a file. A restarted job
-(--max_restarts) rewrites it for each attempt. Under the standalone launcher every node runs its own
-`crew run`: node K > 0 writes `crew_job.node<K>.json`, so that on a shared filesystem none overwrites
-another's. The fields:
+(--max_restarts) rewrites it for each attempt, keeping the list of restarts. Under the standalone
+launcher every node runs its own `crew run`: node K > 0 writes `crew_job.node<K>.json`, so that on a
+shared filesystem none overwrites another's. The fields:
 
 - `job_id`, `command` (crew's own command line, as a list), `cwd`, `launcher`, `restart_count`
 - `started_at`, `ended_at`: ISO 8601 with the UTC offset (`ended_at` is null while the job runs)
 - `world_size`, `nodes`: one {`host`, `ranks`} per node, and once every node's ranks started, its
   `startup_s`: {`connect`, `agent`, `spawn`, `total`} (the console shows only the slowest few)
-- `status`: `running`, `succeeded`, `failed` or `interrupted`
+- `status`: `running`, `succeeded`, `failed`, `interrupted`, or `preempted` (a preemption notice, and the
+  ranks saved a checkpoint: exit code 75, the same command resumes)
 - `exit_codes`: {rank: code} for the ranks whose node reported them, as a shell shows a code (128+N for
   signal N; the ranks crew stopped after a failure show 143, SIGTERM)
 - `first_failure`: null, or {`rank`, `host`, `exit_code`, `signal`, `message`}; `rank` is null when the
   failure was not one rank's (the ranks did not all join, a node's agent or ssh connection ended)
 - `exit_code`: crew run's exit code (null while the job runs)
+- `restarts`: one entry per restart (--max_restarts), oldest first: `at`, `after_exit_code`, `failure` (the
+  first line of what ended the attempt), `lost` (hosts whose agent or ssh connection ended without their
+  ranks' codes), `continued` and, when it did, the `world_size` and `nodes` of the next attempt; with
+  --min_nodes also `left_out` ({host: why} for the nodes that failed the re-check), `joined` (spares that
+  came in) and `recheck_s`
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class JobRecord:
         self.path = Path(log_dir) / name
         self.command, self.launcher, self.say = command, launcher, say
         self.data: dict = {}
+        self.restarts: list[dict] = []  # kept across attempts: start() begins each attempt's record
         self._failed_to_write = False
 
     def start(self, job: JobSpec) -> None:
@@ -63,7 +70,13 @@ class JobRecord:
             "restart_count": job.restart_count, "started_at": now_iso(), "ended_at": None,
             "world_size": job.world_size,
             "nodes": [{"host": node.host, "ranks": list(node.ranks)} for node in job.nodes],
-            "status": "running", "exit_codes": {}, "first_failure": None, "exit_code": None}
+            "status": "running", "exit_codes": {}, "first_failure": None, "exit_code": None,
+            "restarts": self.restarts}
+        self._write()
+
+    def restarted(self, entry: dict) -> None:
+        """A restart (or the decision not to make one) after the attempt this record holds."""
+        self.restarts.append(entry)
         self._write()
 
     def startup(self, times: dict[int, dict]) -> None:

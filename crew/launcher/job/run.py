@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from crew.errors import PREEMPTED_EXIT_CODE
+from crew.launcher.job import preempt
 from crew.launcher.node import binding
 from crew.launcher.transport import runners
 from crew.launcher.console.console import Console
@@ -33,8 +35,8 @@ from crew.launcher.job.hangs import HANG_EXIT_CODE, HangWatch
 from crew.launcher.job.holds import Holds, TaskEnd, srun_task_end
 from crew.launcher.job.stalls import StallWatch, format_duration
 from crew.launcher.transport.proc import signal_tree
-from crew.launcher.transport.protocol import (GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, WHERE_COMMAND, JobSpec,
-                                              decode_event, whole_lines)
+from crew.launcher.transport.protocol import (GO_COMMAND, PREEMPT_COMMAND, PROGRESS_MARK, STACKS_COMMAND,
+                                              WHERE_COMMAND, JobSpec, decode_event, whole_lines)
 from crew.launcher.job.record import FirstFailure, JobRecord
 from crew.launcher.transport.runners import AgentLaunch, ssh_fix
 
@@ -76,6 +78,9 @@ class JobRun:
         self.failure: FirstFailure | None = None
         self.codes: dict[int, int] = {}  # each rank's exit code, from its node's `done`
         self.interrupted: str | None = None
+        self.preempted: str | None = None  # the line that said why the ranks were asked to save and exit
+        self.checkpoint: str | None = None  # where the preempted ranks saved
+        self.raw_codes: dict[int, int | None] = {}  # each rank's exit as its agent saw it (-N: signal N)
         self.started: dict[int, dict] = {}
         self.done: set[int] = set()
         self.ended: set[int] = set()  # nodes whose agent process has exited
@@ -101,13 +106,16 @@ class JobRun:
             report = self.hangs.report()
             if report:
                 self.console.say(report)
+            if self.preempted and not self.failure:
+                self.console.say(preempt.closing_line(self.raw_codes, self.checkpoint, self.job.preempt_grace))
         finally:
             self.console.end()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
         code = self._exit_code()
         if self.record:
-            status = "failed" if self.failure else "interrupted" if self.interrupted else "succeeded"
+            status = "failed" if self.failure else "preempted" if code == PREEMPTED_EXIT_CODE \
+                else "interrupted" if self.interrupted or self.preempted else "succeeded"
             self.record.finish(code, status, self.codes, self.failure)
         return code
 
@@ -115,7 +123,7 @@ class JobRun:
         if threading.current_thread() is not threading.main_thread():
             return {}
         previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
             previous[sig] = signal.signal(
                 sig, lambda num, _: self.events.put(("signal", None, signal.Signals(num).name)))
         return previous
@@ -231,7 +239,7 @@ class JobRun:
         return max(0.0, min(deadlines) - time.monotonic())
 
     def _stopping(self) -> bool:
-        return self.failure is not None or self.interrupted is not None
+        return self.failure is not None or self.interrupted is not None or self.preempted is not None
 
     def _join_deadline(self) -> float | None:
         """When to give up on the ranks that have not joined (`HangWatch.deadline`); None once stopping."""
@@ -288,6 +296,8 @@ class JobRun:
             self.stalls.on_places(event)
         elif kind == "stack":
             self.hangs.on_stack(event)
+        elif kind == "preempt" and not self._stopping():  # an agent had the notice (Slurm's step signal)
+            self._preempt(f"preemption notice ({event['host']}: {event['reason']}): passing it to every node.")
         elif kind == "rank_failed":
             timeout = bool(event.get("collective_timeout")) and not self._stopping()
             message = _describe_rank_failure(event)
@@ -303,6 +313,8 @@ class JobRun:
                 self.stalls.node_done(event)
             self.codes.update({int(rank): _exit_code(code) for rank, code in event["codes"].items()
                                if code is not None})
+            self.raw_codes.update({int(rank): code for rank, code in event["codes"].items()})
+            self.checkpoint = self.checkpoint or event.get("checkpoint")
             self.holds.reported(event["node"])
             if event.get("exit_code") and not self._stopping():  # stopped by someone else: not a success
                 self.holds.outside_stop(event)  # unless a rank failure elsewhere is on its way (holds)
@@ -384,13 +396,23 @@ class JobRun:
                 signal_tree(agent.proc.pid, agent.launch.kill_signal)  # its exit tells the gate
 
     def _on_signal(self, name: str) -> None:
-        if self.interrupted is not None:
+        if self.interrupted is not None or self.preempted is not None:
             self.console.say(f"{name} again: killing every node's agent now.")
             self._kill_agents()
             return
         self.interrupted = name
+        if name in preempt.NOTICE_SIGNALS and self.agents and all(a.launch.spec_on_stdin for a in self.agents):
+            self._preempt(preempt.notice_line(name, self.job.preempt_grace))
+            return
         self.console.say(f"{name} received: stopping every rank on every node.")
         self._stop_all()
+
+    def _preempt(self, line: str) -> None:
+        """Say `line` and pass a preemption notice to every agent (`preempt`): the ranks get --preempt_grace."""
+        self.preempted = line
+        self.console.say(line)
+        self._stop_deadline = time.monotonic() + self.job.preempt_grace + STOP_WAIT_S
+        self._tell_agents(PREEMPT_COMMAND)
 
     def _fail(self, code: int, message: str, with_stacks: bool = False, **where) -> None:
         """The first failure stops the job; `where`: the rank, host and signal, when known."""
@@ -446,6 +468,8 @@ class JobRun:
     def _exit_code(self) -> int:
         if self.failure is not None:
             return self.failure.exit_code
+        if self.preempted is not None:
+            return preempt.exit_code(self.raw_codes)
         if self.interrupted is not None:
             return 128 + signal.Signals[self.interrupted].value
         return 0

@@ -5,7 +5,10 @@ updates marked as such: `streams`), writes one log file per rank when asked (eve
 wrote it), and owns teardown. It stops every rank (SIGTERM to each rank's process group, SIGKILL after a
 grace period) when a rank fails, when it is signalled, and when its connection to the launcher closes
 (stdin EOF, or stdout hang-up under pdsh), so that even a launcher killed with SIGKILL leaves nothing
-running on this node. Only the process groups of its own ranks are signalled.
+running on this node. Only the process groups of its own ranks are signalled. A preemption notice (a
+`preempt` line from the launcher, SIGUSR1 to the agent, or a rank that exits 75 after the ranks agreed on
+another node's notice) is gentler: SIGTERM to each rank's own process, which with crew's `preemption` config
+key finishes its step, saves and exits 75, and SIGKILL only after the spec's `preempt_grace`.
 
 While its ranks have not all joined the process group a `joinwatch.JoinWatch` watches their sockets and
 sends a `join` event whenever a rank's state changes. A `stacks` line from the launcher on stdin (and a
@@ -32,11 +35,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 import crew
+from crew.errors import PREEMPTED_EXIT_CODE, PREEMPTED_MARK
 from crew.launcher.node import binding, pidfile, sampler, stacks
 from crew.launcher.node.joinwatch import JoinWatch
 from crew.launcher.transport.proc import seconds_since_exec, signal_group
-from crew.launcher.transport.protocol import (GO_COMMAND, PROGRESS_MARK, STACKS_COMMAND, WHERE_COMMAND, JobSpec,
-                                              NodeSpec, node_arguments, read_job)
+from crew.launcher.transport.protocol import (GO_COMMAND, PREEMPT_COMMAND, PROGRESS_MARK, STACKS_COMMAND,
+                                              WHERE_COMMAND, JobSpec, NodeSpec, node_arguments, read_job)
 from crew.launcher.node.ranks import Output, Rank
 from crew.launcher.node.streams import IDLE_FLUSH_S, PROGRESS, Item, StreamSplitter
 
@@ -201,6 +205,8 @@ def _note_stderr(rank: Rank, text: str) -> None:
         rank.said_timeout = True  # NCCL's watchdog says it, then aborts: the tail may lose the line
     if rank.dump is not None:
         rank.dump.append(text)
+    if text.startswith(PREEMPTED_MARK):
+        rank.checkpoint = text[len(PREEMPTED_MARK):]
 
 
 def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool, on_where=None) -> None:
@@ -228,6 +234,8 @@ def watch_launcher(events: queue.Queue, output: Output, watch_stdin: bool, on_wh
                         events.put(("stacks", "the launcher asked for every rank's stack"))
                     elif line.strip() == WHERE_COMMAND and on_where:
                         on_where()
+                    elif line.strip() == PREEMPT_COMMAND:
+                        events.put(("preempt", "crew run passed on a preemption notice"))
                 continue  # anything else is ignored
             reason = "the launcher closed the connection" if fd == 0 else "the launcher is gone"
             events.put(("stop", reason))
@@ -244,6 +252,7 @@ class Supervisor:
         self.looks = looks
         self.failure: Rank | None = None
         self.stop_reason: str | None = None
+        self.preempted = False
         self._deadline: float | None = None
         self._killed = False
 
@@ -266,6 +275,8 @@ class Supervisor:
                 self._collect_stacks(value)
             elif kind == "signal":
                 self._stop(value, escalate=True)
+            elif kind == "preempt":
+                self._preempt(value)
         self._signal_all(signal.SIGKILL)  # stray grandchildren left in a rank's group
         return self._exit_code()
 
@@ -275,6 +286,9 @@ class Supervisor:
     def _on_exit(self, rank: Rank) -> None:
         if self.joins:
             self.joins.exited(rank)
+        if rank.code == PREEMPTED_EXIT_CODE and self.failure is None:
+            # the ranks agreed on a notice another node had first: let this node's others finish their save too
+            self._preempt(f"rank {rank.rank} saved a checkpoint and exited (preempted)")
         if rank.code != 0 and self.failure is None and self.stop_reason is None:
             self.failure = rank
             rank.stderr_done.wait(STDERR_DRAIN_S)  # its last words (the error) may still be on the way
@@ -320,6 +334,23 @@ class Supervisor:
         self._signal_all(signal.SIGTERM)
         self._deadline = time.monotonic() + self.job.grace_s
 
+    def _preempt(self, reason: str) -> None:
+        """A preemption notice: SIGTERM to each rank's own process only (the DataLoader workers in its group
+        keep serving the step it finishes), SIGKILL to every group after --preempt_grace. A rank whose config
+        enables preemption saves and exits 75; one without a handler stops at once, as on any stop."""
+        if self.stop_reason is not None:
+            return
+        self.stop_reason, self.preempted = f"preempted: {reason}", True
+        self.stop_watching()  # a save is no stall
+        self.output.event("preempt", node=self.node_rank, host=self.node.host, reason=reason)
+        for rank in self.ranks:
+            if rank.proc.poll() is None:
+                try:
+                    os.kill(rank.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        self._deadline = time.monotonic() + self.job.preempt_grace
+
     def stop_watching(self) -> None:
         """The ranks are being stopped: no more join states, no more looks at them."""
         if self.joins:
@@ -363,6 +394,8 @@ class Supervisor:
         if self.failure is not None:
             code = self.failure.code
             return 128 - code if code < 0 else code
+        if self.preempted and any(rank.code == PREEMPTED_EXIT_CODE for rank in self.ranks):
+            return PREEMPTED_EXIT_CODE
         return 0 if self.stop_reason is None else 128 + signal.SIGTERM
 
 
@@ -386,6 +419,8 @@ def run(job: JobSpec, node_rank: int, watch_stdin: bool, wait_for_go: bool = Fal
     output = Output(lambda: events.put(("stop", "the launcher is gone")), node_rank, job.line_max)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda num, _: events.put(("signal", signal.Signals(num).name)))
+    # Slurm's --signal=USR1@N (without B:) signals the step's tasks: these agents
+    signal.signal(signal.SIGUSR1, lambda num, _: events.put(("preempt", "SIGUSR1 to the crew agent")))
     node = job.nodes[node_rank]
     waited_s = 0.0
     if wait_for_go and (waited_s := await_go(job, node_rank, output)) is None:
@@ -420,7 +455,8 @@ def run(job: JobSpec, node_rank: int, watch_stdin: bool, wait_for_go: bool = Fal
         if rank.log:
             rank.log.close()
     output.event("done", node=node_rank, host=node.host,
-                 codes={r.rank: r.code for r in ranks}, exit_code=code, stop_reason=supervisor.stop_reason)
+                 codes={r.rank: r.code for r in ranks}, exit_code=code, stop_reason=supervisor.stop_reason,
+                 checkpoint=next((r.checkpoint for r in ranks if r.checkpoint), None))
     return code
 
 

@@ -29,6 +29,7 @@ class Rank:
     dump: list[str] | None = None  # its stderr lines since it was sent SIGABRT for its stack
     said_timeout: bool = False  # a stderr line said a torch.distributed operation timed out
     stack_pipe: int | None = None  # read end of the pipe its stacks come on, when asked (node/sampler)
+    checkpoint: str | None = None  # where it saved when preempted (its stderr's PREEMPTED_MARK line)
 
     @property
     def code(self) -> int | None:

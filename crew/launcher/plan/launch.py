@@ -7,6 +7,7 @@ and how each node's agent (or the doctor's probe) is started.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import socket
@@ -40,6 +41,7 @@ class Launch:
     launcher_args: tuple[str, ...] = ()  # --launcher_args, for pdsh or srun
     venv_script: str | None = None  # --venv_script, sourced on every node before the agent (ssh, pdsh, srun)
     notes: tuple[dsflags.Note, ...] = ()  # what crew says of DeepSpeed's flags before it starts
+    spares: tuple[Host, ...] = ()  # --min_nodes: the hosts beyond --num_nodes, to take a lost node's place
 
 
 def resolve(args: argparse.Namespace) -> Launch:
@@ -56,9 +58,10 @@ def resolve(args: argparse.Namespace) -> Launch:
         raise PlanError(f"--num_nodes {args.num_nodes} needs a --hostfile listing that many hosts.")
     per_host_gpus = args.num_gpus if args.hostfile or on_slurm else None  # else _this_machine applied it
     source = "the allocation (SLURM_JOB_NODELIST)" if on_slurm else "the hostfile"
-    hosts = select_hosts(hosts, args.include, args.exclude, args.num_nodes, per_host_gpus, source)
-    if args.ssh_port:
-        hosts = [h if h.ssh_port else Host(h.name, h.slots, args.ssh_port) for h in hosts]
+    chosen = select_hosts(hosts, args.include, args.exclude, args.num_nodes, per_host_gpus, source)
+    spares = select_hosts(hosts, args.include, args.exclude, None, per_host_gpus, source)[len(chosen):] \
+        if getattr(args, "min_nodes", None) else []
+    hosts, spares = _with_ssh_port(chosen, args.ssh_port), _with_ssh_port(spares, args.ssh_port)
     launcher = "slurm" if on_slurm else _choose_launcher(args, hosts)
     launcher, launcher_args, launcher_notes = dsflags.settle_launcher(launcher, args)
     venv, venv_notes = dsflags.venv_script(args, launcher)
@@ -71,7 +74,20 @@ def resolve(args: argparse.Namespace) -> Launch:
     env = gather_env(os.environ, Path.home(), Path.cwd(), args.env)
     notes += [*dsflags.binding_notes(args), *launcher_notes, *venv_notes]
     return Launch(launcher, hosts, build_plan(hosts, master_addr, port, env), ssh_args, launcher_args, venv,
-                  tuple(notes))
+                  tuple(notes), tuple(spares))
+
+
+def _with_ssh_port(hosts: list[Host], port: int | None) -> list[Host]:
+    """--ssh_port for the hosts that give none in the hostfile."""
+    return [h if h.ssh_port or not port else Host(h.name, h.slots, port) for h in hosts]
+
+
+def relaunch(launch: Launch, hosts: list[Host], master_addr: str | None, master_port: int | None) -> Launch:
+    """The same launch on other hosts (an elastic restart without a lost node, or with a spare in its place):
+    the master is the first host unless --master_addr named one, on --master_port or a new free port."""
+    master = master_addr or _default_master(launch.launcher, hosts[0], launch.ssh_args)
+    plan = build_plan(hosts, master, master_port or _free_port(), launch.plan.env)
+    return dataclasses.replace(launch, hosts=hosts, plan=plan)
 
 
 def _uses_slurm(args: argparse.Namespace) -> bool:
@@ -166,7 +182,8 @@ def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0,
         line_max=slurm.LINE_MAX if launch.launcher == "slurm" else 0,
         bind_cores=bool(args.bind_cores_to_rank or args.bind_core_list), bind_core_list=args.bind_core_list or None,
         save_pid=os.getpid() if args.save_pid else 0,
-        stall_report=getattr(args, "stall_report", 0.0), collective_timeout=getattr(args, "collective_timeout", 0.0))
+        stall_report=getattr(args, "stall_report", 0.0), collective_timeout=getattr(args, "collective_timeout", 0.0),
+        preempt_grace=getattr(args, "preempt_grace", 120.0))
 
 
 def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,

@@ -389,6 +389,15 @@ def preflight(launch: Launch, args: argparse.Namespace, say, verbose: bool = Fal
     return 0 if passed else 1
 
 
+def recheck(launch: Launch, args: argparse.Namespace) -> tuple[list[NodeReport], float]:
+    """The preflight's quick checks of every node of `launch`, each node judged on its own (an elastic
+    restart continues on those that pass): the reports, and the seconds they took."""
+    job = job_spec(launch, args)
+    run = run_probes(launch, args, job, full=False, save_dir=None)
+    reports = evaluate(launch, job, run, reference_facts(job, full=False), False, launch.ssh_args, None)
+    return reports, run.seconds
+
+
 def preflight_judge(launch: Launch, job: JobSpec, verbose: bool = False) -> Judge:
     """How `crew run` over ssh judges the facts its agents sent (crew.launcher.preflight.gate)."""
     reference = reference_facts(job, full=False)

@@ -9,7 +9,8 @@ progress-bar update (text it ended with a bare carriage return, see `streams`) c
 
 After the spec, the launcher keeps the agent's stdin open: closing it means "stop", and a line
 STACKS_COMMAND means "stop every rank with its Python stack first" (see agent.Supervisor), and a line
-WHERE_COMMAND "say where every rank is now, without stopping it" (a `places` event, node/sampler). An agent
+WHERE_COMMAND "say where every rank is now, without stopping it" (a `places` event, node/sampler), and a line
+PREEMPT_COMMAND "a preemption notice: let the ranks finish their step and save" (agent.Supervisor). An agent
 started with --preflight first sends a `probe` event (the quick checks' facts, as the doctor's probe)
 and starts nothing until a line GO_COMMAND arrives: the launcher sends it once every node's facts
 passed, and closes stdin instead when one did not. Events, as {"event": KIND, ...}: `probe`, `started`,
@@ -17,7 +18,9 @@ passed, and closes stdin instead when one did not. Events, as {"event": KIND, ..
 connecting to), `rank_failed` (..., collective_timeout: its stderr says a torch.distributed operation
 timed out), `stack` (node, host, rank, dumped, threads, frames: the main thread's [file, line,
 function], innermost first), `places` (node, host, where: answering WHERE_COMMAND, ranks: each rank's
-state busy/blocked/exited, for_s blocked, call and at when its stack was taken), `error`, `alive`, `done`.
+state busy/blocked/exited, for_s blocked, call and at when its stack was taken), `preempt` (node, host,
+reason: the agent is passing a preemption notice to its ranks), `error`, `alive`, `done` (..., checkpoint:
+where a preempted rank 0 saved).
 
 Under srun (`--node_rank slurm`) one srun carries every node's agent: its stdin reaches all of them
 (`--input=all`: the spec, `stacks`, `go` and EOF alike), each agent finds its node by name
@@ -39,6 +42,7 @@ PROGRESS_MARK = b"\x1ecrew-progress "
 STACKS_COMMAND = b"stacks"
 WHERE_COMMAND = b"where"  # a stall report is being written: send every rank's place now (`places`)
 GO_COMMAND = b"go"  # after the merged preflight: every node passed, start the ranks
+PREEMPT_COMMAND = b"preempt"  # a preemption notice: SIGTERM to each rank's own process, SIGKILL after preempt_grace
 PIECE_MARK = b"\x1ecrew-piece "  # PIECE_MARK NODE +|. TEXT: part of a long line; "." ends it
 AGENT_MODULE = "crew.launcher.node.agent"
 SLURM_NODE_RANK = "slurm"  # --node_rank under srun: the agent finds its node by SLURMD_NODENAME
@@ -75,6 +79,7 @@ class JobSpec:
     save_pid: int = 0  # --save_pid: `crew run`'s pid; each agent keeps its own in /tmp/<it>.deepspeed
     stall_report: float = 90.0  # say where every rank is once one has waited this long in a collective; 0: off
     collective_timeout: float = 0.0  # the launcher ends a stall that lasts this long; 0: torch's own timeout
+    preempt_grace: float = 120.0  # after a preemption notice: seconds the ranks get to finish a step and save
 
     @property
     def stall_watch_s(self) -> float:
