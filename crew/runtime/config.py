@@ -419,8 +419,10 @@ def ignored_keys(config: Config) -> list[str]:
     """
     found = ["bfloat16"] if "bf16" in config.raw and "bfloat16" in config.raw else []
     for section, prefix, _, deepspeed_only in _levels(config.raw):
-        found += [f"{prefix}{key}" for key in section if key in deepspeed_only]
+        found += [f"{prefix}{key}" for key in section if key in deepspeed_only and key != "data_types"]
         if not prefix:
+            types = section.get("data_types")  # buffer_dtype, keep_in_fp32_modules act (casting.py)
+            found += ["data_types.param_dtype"] if isinstance(types, Mapping) and "param_dtype" in types else []
             found += [key for key in section if key in _TYPED_NO_EFFECT and section[key] != _TYPED_NO_EFFECT[key]]
     return found
 

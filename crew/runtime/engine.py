@@ -26,7 +26,7 @@ import torch
 
 from crew.errors import ConfigError
 from crew.log import log_rank0
-from crew.runtime import balance, checkpoint, comm, preemption, registry, zero
+from crew.runtime import balance, casting, checkpoint, comm, preemption, registry, zero
 from crew.runtime.accessors import DeepSpeedAccessors
 from crew.runtime.config import Config
 from crew.runtime.monitor import Monitor, step_events
@@ -105,6 +105,9 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         partitioned under zero.Init is gathered whole at stages 0-2. Returns it and {id(param before): param
         after}."""
         self.zero.refuse_meta(model)
+        dtype = getattr(self.precision, "dtype", torch.float32)
+        if dtype != torch.float32:  # by data_types; not partitioned at any stage (casting.py)
+            casting.cast_buffers(model, dtype, self.crew_config.raw.get("data_types"))
         if self.zero.shards_params:
             replaced = self.zero.shard(model, self.precision.sharded_compute_dtype)
             self.precision.cast_module(model)  # checks the dtype's kernels; FSDP2 does the casting

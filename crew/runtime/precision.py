@@ -1,9 +1,8 @@
 """fp32 / bf16 / fp16 training: casting the model, fp32 master weights, dynamic loss scaling.
 
-The engine holds one `Precision` (from `make_precision`) and calls its hooks; for fp32 every hook is
-a no-op. For fp16 and bf16 the model is cast to the low-precision dtype while the optimizer steps
-fp32 master copies, as DeepSpeed does (`deepspeed/runtime/fp16/fused_optimizer.py`,
-`deepspeed/runtime/bf16_optimizer.py`):
+The engine holds one `Precision` (from `make_precision`) and calls its hooks (fp32: no-ops). For fp16 and
+bf16 the model's parameters are cast to the low-precision dtype while the optimizer steps fp32 master copies,
+as DeepSpeed does (`deepspeed/runtime/fp16/fused_optimizer.py`, `deepspeed/runtime/bf16_optimizer.py`):
 
     precision.cast_module(model)                      # once, before wrapping (DDP / ZeRO)
     optimizer = make_optimizer(precision.master_params(trainable))
@@ -31,7 +30,7 @@ even fp16 addmm on CPU: `check_supported` probes the basics once per (dtype, dev
 `Precision.guard` turns a missing kernel met later into a CrewError naming the op.
 
 With the optimizer offloaded (ZeRO stages 1-2, `offload_optimizer`), the fp32 masters live on the CPU, in
-fp32 training too: gradients are copied to them, the optimizer steps there, the masters are copied back.
+fp32 training too: gradients go to them, the optimizer steps there, the masters are copied back.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from crew.errors import ConfigError, CrewError
+from crew.runtime.casting import cast_parameters
 
 __all__ = ["DynamicLossScaler", "LossScaler", "Precision", "check_supported", "make_precision"]
 
@@ -332,7 +332,7 @@ class _MasterWeights(Precision):
         device = first.device if first is not None else torch.device("cpu")
         self._device = device.type
         check_supported(self.dtype, device)
-        module.to(self.dtype)  # floating-point parameters and buffers only; integer buffers stay
+        cast_parameters(module, self.dtype)  # buffers keep their dtype, as in DeepSpeed (casting.cast_buffers)
 
     def master_params(self, model_params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         """fp32 leaf copies of `model_params`, in order; asking again for a param gives the same copy."""
