@@ -338,6 +338,7 @@ _TYPED_NO_EFFECT = {"prescale_gradients": False, "gradient_predivide_factor": 1.
 # crew/runtime/zero/ reads these (and "wrap", crew's own), the engine the stage3_gather_* ones (Accelerate and
 # Trainer ask it, at stage 3); the rest of DeepSpeed's ZeRO keys have no effect.
 _ZERO_IMPLEMENTED = frozenset({"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "wrap",
+                               "mics_shard_size", "zero_hpz_partition_size",
                                "stage3_gather_16bit_weights_on_model_save",
                                "stage3_gather_fp16_weights_on_model_save"})
 _BF16_KEYS = (frozenset(BF16Config.model_fields), frozenset({

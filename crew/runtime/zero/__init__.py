@@ -8,7 +8,8 @@
               (fp16/bf16) and optimizer state kept only by the rank that owns it (ZeroRedundancyOptimizer's
               split); gradients averaged into the owners on every micro step (stage2.py)
     stage 3   FSDP2 fully_shard, reshard_after_forward=True: parameters sharded too, gathered one
-              wrapped unit at a time
+              wrapped unit at a time; with mics_shard_size / zero_hpz_partition_size G, sharded within
+              groups of G ranks and replicated across them (HSDP, hsdp.py)
 
 At stages 0-2 `model.parameters()` and `model.state_dict()` are the whole, equal tensors on every rank.
 
@@ -38,7 +39,7 @@ import torch
 
 from crew.errors import ConfigError
 from crew.log import log_rank0
-from crew.runtime.zero import partition_parameters, stage3
+from crew.runtime.zero import hsdp, partition_parameters, stage3
 from crew.runtime.zero.gather import GatheredParameters
 from crew.runtime.zero.partition_parameters import (Init, ZeroParamStatus, ZeroParamType,
                                                     register_external_parameter, unregister_external_parameter)
@@ -69,6 +70,8 @@ class Zero:
         self.offload_optimizer = bool(self.offload and self.stage in (1, 2))
         self.grads = None  # stage 2 on more than one rank: its stage2.GradientPartition
         self.partitioned = False  # the optimizer is stage2.py's (each rank holds its owned masters and grads)
+        self.shard_group = hsdp.group_size(extra, world_size) if self.stage == 3 else None  # MiCS / hpZ
+        self._extra = extra
 
     @property
     def shards_params(self) -> bool:
@@ -79,7 +82,7 @@ class Zero:
         """Implemented keys that do nothing at this stage (on top of config.ignored_keys)."""
         if self.stage == 3 and self.bucket_elements is not None:
             return [f"zero_optimization.{key}" for key in _BUCKET_KEYS]
-        return []
+        return hsdp.no_effect(self._extra) if self.stage < 3 else []
 
     # -- the model ---------------------------------------------------------------------------
 
@@ -104,8 +107,8 @@ class Zero:
     def shard(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
         """Stage 3: fully_shard the model's units and its root, in place (stage3.py). Returns {id(old
         param): new}, so that parameter lists taken before sharding can be pointed at the new ones."""
-        return stage3.shard(model, self.world_size, self.device, self.wrap_rule, compute_dtype, self.offload,
-                            self.stage)
+        return stage3.shard(model, hsdp.mesh(self.device, self.world_size, self.shard_group), self.device,
+                            self.wrap_rule, compute_dtype, self.offload, self.stage)
 
     @staticmethod
     def refuse_meta(model: torch.nn.Module) -> None:

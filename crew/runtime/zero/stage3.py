@@ -30,15 +30,14 @@ from crew.runtime.zero import gather
 from crew.runtime.zero import partition_parameters as pp
 
 
-def shard(model: torch.nn.Module, world_size: int, device: torch.device, wrap_rule,
-          compute_dtype: torch.dtype | None, offload: dict | None, stage: int) -> dict[int, torch.nn.Parameter]:
-    """fully_shard the units and the root, in place. Returns {id(old param): new} so that parameter lists
-    taken before sharding can be pointed at the sharded parameters."""
-    from torch.distributed.device_mesh import init_device_mesh
+def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute_dtype: torch.dtype | None,
+          offload: dict | None, stage: int) -> dict[int, torch.nn.Parameter]:
+    """fully_shard the units and the root over `mesh` (1-D, or 2-D for HSDP), in place. Returns {id(old param):
+    new} so that parameter lists taken before sharding can be pointed at the sharded parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     before = list(model.named_parameters(remove_duplicate=False))
     ds_ids = {name: p.ds_id for name, p in before if pp.is_zero_param(p)}
-    options: dict[str, Any] = {"mesh": init_device_mesh(device.type, (world_size,)), "reshard_after_forward": True}
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
     if compute_dtype is not None:
         # inputs are not cast, as at stages 0-1 and in DeepSpeed: the same script runs at any stage
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
@@ -57,8 +56,10 @@ def shard(model: torch.nn.Module, world_size: int, device: torch.device, wrap_ru
         _mark_partitioned(param, ds_ids.get(name), compute_dtype)
     _see_whole_outside_forward(model)
     model.register_state_dict_post_hook(_placeholders)
-    log_rank0("ZeRO stage %d: fully_shard over %d ranks, %d wrapped units (+ root)%s",
-              stage, world_size, len(units), ", CPU offload" if offload else "")
+    where = (f"{mesh.size()} ranks" if mesh.ndim == 1 else
+             f"groups of {mesh.size(1)} ranks, replicated {mesh.size(0)} times (HSDP)")
+    log_rank0("ZeRO stage %d: fully_shard within %s, %d wrapped units (+ root)%s",
+              stage, where, len(units), ", CPU offload" if offload else "")
     return {id(p): current[name] for name, p in before if name in current}
 
 
