@@ -210,10 +210,10 @@ def _offload(extra: dict, stage: int, device: torch.device) -> dict | None:
         log_rank0("zero_optimization: %s to cpu has no effect, training already runs on the CPU",
                   " and ".join(wanted))
         return None
-    if stage == 0:
-        raise ConfigError(f"zero_optimization.{next(iter(wanted))} needs ZeRO stage 1, 2 or 3 (as in "
-                          "DeepSpeed); this config has stage 0. Set zero_optimization.stage, or remove the "
-                          "offload section.")
+    if stage == 0:  # DeepSpeed builds no ZeRO optimizer at stage 0, and with it no offload
+        log_rank0("zero_optimization: %s has no effect at stage 0 (as in DeepSpeed): offloading needs ZeRO "
+                  "stage 1, 2 or 3", " and ".join(wanted))
+        return None
     if stage < 3:
         if "offload_param" in wanted:
             log_rank0("zero_optimization.offload_param has no effect below stage 3 (as in DeepSpeed): "
