@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo test install
+.PHONY: demo test install gpu-check
 
 install: $(VENV)/.installed
 
@@ -23,3 +23,10 @@ demo: install
 test: install
 	tools/system-deps.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The CUDA check (benchmarks/gpu_check.py): on a GPU machine, in one command; without CUDA one line, exit 0.
+# It needs no install step: crew runs from this checkout (PYTHONPATH) under the Python that has CUDA torch
+# (GPU_PYTHON: this project's venv when there is one, else python3, as on the lent GPU machines).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

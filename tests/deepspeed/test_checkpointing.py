@@ -81,6 +81,7 @@ def test_configure_errors_name_the_key_and_settings_without_effect_say_so(capsys
     assert "activation_checkpointing.partition_activations has no effect in crew" in capsys.readouterr().out
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cpu_checkpointing moves device tensors: needs CUDA")
 def test_cpu_checkpointing_keeps_the_inputs_off_the_device():
     layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(8)).cuda()

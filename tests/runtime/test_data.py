@@ -266,6 +266,7 @@ def collate_in_worker(items):
     return {"worker": None if info is None else info.id, "rows": torch.stack(items)}
 
 
+@pytest.mark.cuda  # pinned memory only with CUDA; the order is checked everywhere
 def test_num_workers_and_pin_memory_keep_the_order():
     dl = loader(2, 0, num_workers=2, pin_memory=torch.cuda.is_available(), collate_fn=collate_in_worker)
     batches = list(dl)

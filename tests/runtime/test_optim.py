@@ -550,6 +550,7 @@ def test_optimizer_errors(name, params, message):
     assert params == frozen
 
 
+@pytest.mark.cuda  # the CPU half runs everywhere
 def test_adam_uses_torchs_fused_kernel_on_cuda_only():
     from crew.runtime.optim import adam_kernel
 

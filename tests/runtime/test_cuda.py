@@ -1,0 +1,41 @@
+"""crew's engine on a CUDA device, one rank (NCCL): the same losses as on the CPU at fp32, bf16 within its
+rounding, at ZeRO stages 0 and 3. Skips without CUDA; `make gpu-check` runs it (pytest -m cuda)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import run_ranks
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")]
+
+
+def train(rank: int, device: str, precision: str, stage: int) -> list[float]:
+    import crew
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
+    if device == "cpu":  # the reference: crew then takes gloo and the CPU, as on a machine without GPU
+        torch.cuda.is_available = lambda: False
+    engine, _, _, _ = crew.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert engine.device.type == device
+    data = torch.randn(5, 8, 64)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    losses = []
+    for x in data:
+        x = x.to(engine.device, dtype)
+        loss = (engine(x).float() - x.float().mean(1, keepdim=True)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_on_cuda_gives_the_cpus_losses(stage):
+    reference = run_ranks(train, 1, "cpu", "fp32", stage)[0]
+    assert run_ranks(train, 1, "cuda", "fp32", stage)[0] == pytest.approx(reference, rel=1e-4, abs=1e-6)
+    assert run_ranks(train, 1, "cuda", "bf16", stage)[0] == pytest.approx(reference, rel=5e-2, abs=1e-3)
