@@ -57,7 +57,10 @@ def crew_launcher(ranks: int) -> list[str]:
     return [sys.executable, "-m", "crew", "run", "--num_gpus", str(ranks), "--as_deepspeed"]
 
 
-def deepspeed_launcher(python: str, ranks: int) -> list[str]:
+def deepspeed_launcher(python: str, ranks: int, cpu: bool) -> list[str]:
+    """DeepSpeed's own launcher; on the CPU (--cpu) torchrun, as DeepSpeed's launcher wants GPUs."""
+    if cpu:
+        return [python, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
     return [python, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks)]
 
 
@@ -176,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
               "training": training_rows(launcher, ranks, env, cpu_env, args.quick),
               "features": feature_rows(launcher, env), "doctor": doctor_row(env), "cuda_tests": cuda_tests(env)}
     if args.deepspeed_python:
-        report["deepspeed"] = training_rows(deepspeed_launcher(args.deepspeed_python, ranks), ranks, env, cpu_env,
-                                            quick=True)
+        ds_env = {**env, "DS_ACCELERATOR": "cpu"} if args.cpu else env
+        report["deepspeed"] = training_rows(deepspeed_launcher(args.deepspeed_python, ranks, args.cpu), ranks,
+                                            ds_env, cpu_env, quick=True)
     report["seconds"] = time.monotonic() - started
     print(format_report(report))
     if args.json:
