@@ -14,57 +14,60 @@ from crew.runtime.zero import hsdp
 
 STEPS = 6
 
-# Each rank counts the process groups of FSDP2's collectives (which all go through these three calls), trains,
-# saves after step 3, loads that checkpoint back into the same engine and trains on.
+# Each rank trains plain stage 3, then stage 3 in groups of 2, in one process (two engines, one job start),
+# counting the process groups of FSDP2's collectives (which all go through these three calls); each engine saves
+# after step 3, loads that checkpoint back and trains on.
 TRAIN = """
-    import json, os, sys
+    import json
     import torch, torch.distributed as dist
     import crew
 
-    seen = {"all_gather_single": set(), "reduce_scatter_single": set(), "all_reduce": set()}
-    for name in seen:
+    seen = {}
+    for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
         def spy(*args, _name=name, _call=getattr(dist, name), **kwargs):
-            seen[_name].add(tuple(dist.get_process_group_ranks(kwargs.get("group") or dist.group.WORLD)))
+            group = kwargs.get("group") or dist.group.WORLD
+            seen.setdefault(_name, set()).add(tuple(dist.get_process_group_ranks(group)))
             return _call(*args, **kwargs)
         setattr(dist, name, spy)
 
+    def train(section, folder):
+        seen.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                      for _ in range(3)], torch.nn.Linear(16, 1))
+        data = torch.randn(64, 16)
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+                  "zero_optimization": {"stage": 3, **section}}
+        engine, _, _, _ = crew.initialize(model=model, model_parameters=model.parameters(), config=config)
+        rank, losses = dist.get_rank(), []
+        for step in range(1, STEPS + 1):
+            for micro in range(2):
+                start = ((step * 2 + micro) * 4 + rank) * 2 % 60
+                x = data[start:start + 2]
+                loss = (engine(x) - x.sum(1, keepdim=True)).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+            losses.append(loss.item())
+            if step == 3:
+                engine.save_checkpoint(folder)
+                engine.load_checkpoint(folder)
+        return {"losses": losses, "seen": {k: sorted(v) for k, v in seen.items()}}
+
     crew.init_distributed()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)],
-                                torch.nn.Linear(16, 1))
-    data = torch.randn(64, 16)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-              "zero_optimization": {"stage": 3, **json.loads(sys.argv[-1])}}
-    engine, _, _, _ = crew.initialize(model=model, model_parameters=model.parameters(), config=config)
-    rank, losses = dist.get_rank(), []
-    for step in range(1, STEPS + 1):
-        for micro in range(2):
-            start = ((step * 2 + micro) * 4 + rank) * 2 % 60
-            x = data[start:start + 2]
-            loss = (engine(x) - x.sum(1, keepdim=True)).pow(2).mean()
-            engine.backward(loss)
-            engine.step()
-        losses.append(loss.item())
-        if step == 3:
-            engine.save_checkpoint("ckpt")
-            engine.load_checkpoint("ckpt")
-    json.dump({"losses": losses, "seen": {k: sorted(v) for k, v in seen.items()}}, open(f"rank{rank}.json", "w"))
+    runs = {"plain": train({}, "plain"), "grouped": train({"mics_shard_size": 2}, "grouped")}
+    json.dump(runs, open(f"rank{dist.get_rank()}.json", "w"))
 """.replace("STEPS", str(STEPS))
-
-
-def run(cluster, job_dir, section: dict) -> tuple[list[dict], str]:
-    result = crew("run", "--ssh_args", cluster.ssh_args, "-H", str(cluster.hostfile(slots=2)), "train.py",
-                  json.dumps(section), cwd=job_dir)
-    assert result.code == 0, result.err[-3000:]
-    return [json.loads((job_dir / f"rank{r}.json").read_text()) for r in range(4)], result.out + result.err
 
 
 def test_groups_per_node_give_plain_stage3s_losses_with_every_gather_inside_a_node(make_cluster, job_dir):
     cluster = make_cluster(2)
     write_script(job_dir, "train.py", TRAIN)
-    plain, _ = run(cluster, job_dir, {})
-    grouped, said = run(cluster, job_dir, {"mics_shard_size": 2})
+    result = crew("run", "--ssh_args", cluster.ssh_args, "-H", str(cluster.hostfile(slots=2)), "train.py",
+                  cwd=job_dir)
+    assert result.code == 0, result.err[-3000:]
+    runs = [json.loads((job_dir / f"rank{r}.json").read_text()) for r in range(4)]
+    plain, grouped = [r["plain"] for r in runs], [r["grouped"] for r in runs]
     for rank in range(4):
         assert grouped[rank]["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-5, abs=1e-6)
     nodes = [[0, 1], [2, 3]]
@@ -73,7 +76,7 @@ def test_groups_per_node_give_plain_stage3s_losses_with_every_gather_inside_a_no
     assert all(r["seen"]["reduce_scatter_single"] == [nodes[rank // 2]] for rank, r in enumerate(grouped))
     across = [[rank % 2, rank % 2 + 2] for rank in range(4)]  # the gradient shards' all-reduce between nodes
     assert all(across[rank] in r["seen"]["all_reduce"] for rank, r in enumerate(grouped))
-    assert "fully_shard within groups of 2 ranks, replicated 2 times (HSDP)" in said
+    assert "fully_shard within groups of 2 ranks, replicated 2 times (HSDP)" in result.out + result.err
 
 
 @pytest.mark.parametrize("extra, world, size", [
