@@ -1,4 +1,4 @@
-"""`make gpu-check`: what crew does on CUDA, in one command, as one report (about 5 minutes on 2 GPUs).
+"""`make gpu-check`: what crew does on CUDA, in one command, as one report (22 short jobs; not yet timed on a GPU).
 
 A GPU is lent to this project only now and then; this is what to run first when one is. Without CUDA it says
 so in one line and exits 0 (CI never runs it). On a CUDA machine, every job through `crew run --as_deepspeed`
@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from _jobs import run_job  # beside this script: on its sys.path
+
 REPO = Path(__file__).resolve().parent.parent
 JOB = Path(__file__).resolve().parent / "_gpu_job.py"
 TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2, "fp16": 1e-2}  # relative, per step, against the CPU's fp32 losses
@@ -39,11 +41,11 @@ FEATURES = (("cpu_checkpointing", 0), ("offload_optimizer", 2), ("offload_param"
 TIMEOUT_S = 240
 
 
-def run_job(launcher: list[str], job_args: list[str], env: dict) -> dict:
+def one_job(launcher: list[str], job_args: list[str], env: dict) -> dict:
     """One job; its GPUCHECK line, or {"error": ...}."""
     argv = [*launcher, str(JOB), *job_args]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=env)
+        done = run_job(argv, REPO, env, TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"error": f"no answer in {TIMEOUT_S} s: {' '.join(argv)}"}
     line = next((line for line in done.stdout.splitlines() if "GPUCHECK " in line), None)
@@ -79,11 +81,11 @@ def within(losses: list[float], reference: list[float], precision: str) -> bool:
 
 def training_rows(launcher, ranks: int, env: dict, cpu_env: dict, quick: bool) -> list[dict]:
     stages = (0, 3) if quick else (0, 1, 2, 3)
-    reference = {stage: run_job(crew_launcher(ranks), ["--stage", str(stage)], cpu_env) for stage in stages}
+    reference = {stage: one_job(crew_launcher(ranks), ["--stage", str(stage)], cpu_env) for stage in stages}
     rows = []
     for precision in ("fp32", "bf16", "fp16"):
         for stage in stages:
-            result = run_job(launcher, ["--precision", precision, "--stage", str(stage)], env)
+            result = one_job(launcher, ["--precision", precision, "--stage", str(stage)], env)
             ref = reference[stage]
             if "error" not in result and "error" not in ref:
                 result["matches_cpu"] = within(result["losses"], ref["losses"], precision)
@@ -93,12 +95,11 @@ def training_rows(launcher, ranks: int, env: dict, cpu_env: dict, quick: bool) -
 
 def feature_rows(launcher, env: dict) -> list[dict]:
     return [{"feature": feature, "stage": stage,
-             **run_job(launcher, ["--feature", feature, "--stage", str(stage)], env)} for feature, stage in FEATURES]
+             **one_job(launcher, ["--feature", feature, "--stage", str(stage)], env)} for feature, stage in FEATURES]
 
 
 def doctor_row(env: dict) -> dict:
-    done = subprocess.run([sys.executable, "-m", "crew", "doctor", "--json"], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=env)
+    done = run_job([sys.executable, "-m", "crew", "doctor", "--json"], REPO, env, 120)
     try:
         report = json.loads(done.stdout)
     except json.JSONDecodeError:
@@ -109,8 +110,8 @@ def doctor_row(env: dict) -> dict:
 
 
 def cuda_tests(env: dict) -> dict:
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    done = run_job([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests"], REPO,
+                   env, 300)
     return {"exit": done.returncode, "summary": (done.stdout.strip().splitlines() or ["(no output)"])[-1]}
 
 
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = 2 if args.cpu or torch.cuda.device_count() >= 2 else 1
     launcher = crew_launcher(ranks)
     report = {"machine": machine_line(args.cpu), "ranks": ranks,
-              "allreduce": run_job(launcher, ["--mode", "allreduce"], env) if ranks > 1 else None,
+              "allreduce": one_job(launcher, ["--mode", "allreduce"], env) if ranks > 1 else None,
               "training": training_rows(launcher, ranks, env, cpu_env, args.quick),
               "features": feature_rows(launcher, env), "doctor": doctor_row(env), "cuda_tests": cuda_tests(env)}
     if args.deepspeed_python:

@@ -18,9 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from _jobs import run_job  # beside this script: on its sys.path
 
 JOB = Path(__file__).resolve().parent / "_hsdp_job.py"
 NO_LINK = 1e9  # Gbit/s: no delay to speak of
@@ -30,8 +31,7 @@ def one_run(group: int, gbit: float, args: argparse.Namespace) -> dict:
     argv = [sys.executable, "-m", "crew", "run", "--num_gpus", "4", str(JOB), "--group", str(group),
             "--gbit", str(gbit), "--latency_ms", str(0 if gbit >= NO_LINK else args.latency_ms),
             "--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_job(argv, None, {**os.environ, "OMP_NUM_THREADS": "1"}, args.timeout)
     line = next((line for line in done.stdout.splitlines() if "BENCH " in line), None)
     if done.returncode != 0 or line is None:
         raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-3000:]}")

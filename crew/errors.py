@@ -10,6 +10,7 @@ import traceback
 # A job stopped for a preemption notice after its ranks saved a checkpoint: run it again to continue
 # (sysexits' EX_TEMPFAIL, "try again later"). `crew run` does not count it as a failure to restart on.
 PREEMPTED_EXIT_CODE = 75
+STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: stopped before anything was saved, nothing to resume
 # The line a preempted rank 0 writes to stderr last, followed by the checkpoint's folder: the node agent reads
 # the folder from it for `crew run`'s closing line.
 PREEMPTED_MARK = "crew: preempted (exit code 75); checkpoint saved in "

@@ -27,22 +27,11 @@ import torch
 
 from crew.errors import ConfigError, CrewError
 from crew.runtime import registry
+from crew.runtime.casting import dtype_named
 from crew.runtime.config_view import DeepSpeedConfig, deepspeed_optimizer_name
 from crew.runtime.zero.stage3 import shards_visible
 
 _MOMENTUM_OPTIMIZERS = ("SGD", "RMSprop")
-# DeepSpeed's DtypeEnum spellings (runtime/config_utils.py)
-_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
-
-
-def _dtype(value: Any, key: str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str) and value.lower() in _DTYPES:
-        return _DTYPES[value.lower()]
-    raise ConfigError(f"{key} is {value!r}; use one of \"fp32\", \"fp16\" or \"bf16\".")
 
 
 class DeepSpeedAccessors:
@@ -93,7 +82,7 @@ class DeepSpeedAccessors:
             torch.bfloat16 if self.bfloat16_enabled() else torch.float32
         section = self.crew_config.raw.get("data_types") or {}
         accum = section.get("grad_accum_dtype") if isinstance(section, dict) else None
-        return model_dtype, (model_dtype if accum is None else _dtype(accum, "data_types.grad_accum_dtype"))
+        return model_dtype, (model_dtype if accum is None else dtype_named(accum, "data_types.grad_accum_dtype"))
 
     @property
     def communication_data_type(self) -> torch.dtype:
@@ -104,14 +93,14 @@ class DeepSpeedAccessors:
             return self._communication_data_type
         given = self.crew_config.raw.get("communication_data_type")
         if given is not None:
-            return _dtype(given, "communication_data_type")
+            return dtype_named(given, "communication_data_type")
         if self.fp16_enabled():
             return torch.float16
         return torch.bfloat16 if self.bfloat16_enabled() else torch.float32
 
     @communication_data_type.setter
     def communication_data_type(self, value) -> None:
-        self._communication_data_type = _dtype(value, "communication_data_type")
+        self._communication_data_type = dtype_named(value, "communication_data_type")
 
     # -- config values ----------------------------------------------------------------------------
 

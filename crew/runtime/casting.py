@@ -28,6 +28,16 @@ _DTYPES = {**dict.fromkeys(("fp32", "float32", "float", "torch.float32"), torch.
            **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), torch.bfloat16)}
 
 
+def dtype_named(value: Any, key: str) -> torch.dtype:
+    """A config value naming a dtype in any of DeepSpeed's spellings ("bf16", "bfloat16", ...), or a torch dtype;
+    a ConfigError naming `key` otherwise."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    raise ConfigError(f"{key} is {value!r}; use one of \"fp32\", \"fp16\" or \"bf16\".")
+
+
 def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
     """Every floating-point parameter (tied ones once) to `dtype`; buffers are `cast_buffers`' business."""
     for param in module.parameters():
@@ -36,14 +46,18 @@ def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def cast_buffers(module: torch.nn.Module, dtype: torch.dtype, data_types: Mapping[str, Any] | None) -> None:
-    """The buffers of a model training in `dtype` (bf16 or fp16), by the config's `data_types` section."""
+    """The buffers of a model training in `dtype`, by the config's `data_types` section (checked at any dtype;
+    under fp32 nothing changes)."""
     section = data_types if isinstance(data_types, Mapping) else {}
     pattern = keep_in_fp32_pattern(module, section.get("keep_in_fp32_modules", "auto"), dtype)
+    value = section.get("buffer_dtype")
+    target = None if value is None else dtype_named(value, "data_types.buffer_dtype")
+    if dtype == torch.float32:
+        return
     kept = buffers_matching(module, pattern) if pattern is not None else []
     for buffer in kept:
         if buffer.dtype != torch.float32:
             buffer.data = buffer.data.float()
-    target = _buffer_dtype(section.get("buffer_dtype"))
     keep = {id(buffer) for buffer in kept}
     for buffer in module.buffers() if target is not None else _norm_statistics(module):
         if id(buffer) not in keep and buffer.dtype in CASTABLE and buffer.dtype != (target or dtype):
@@ -57,9 +71,7 @@ def _norm_statistics(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def keep_in_fp32_pattern(module: torch.nn.Module, setting: Any, dtype: torch.dtype) -> re.Pattern | None:
-    """The names of the buffers to keep in fp32, as one pattern; None when there are none."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        return None
+    """The names of the buffers to keep in fp32, as one pattern; None when there are none (always under fp32)."""
     if setting == "auto" or setting is None:
         patterns = set()
         for name, child in module.named_modules():
@@ -73,19 +85,12 @@ def keep_in_fp32_pattern(module: torch.nn.Module, setting: Any, dtype: torch.dty
     else:
         raise ConfigError(f"data_types.keep_in_fp32_modules is {setting!r}: it must be \"auto\" (a transformers "
                           "model's own lists) or a list of name patterns, e.g. [\"e_score_correction_bias\"].")
-    return re.compile("|".join(sorted(patterns))) if patterns else None
+    if not patterns or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return re.compile("|".join(sorted(patterns)))
 
 
 def buffers_matching(module: torch.nn.Module, pattern: re.Pattern) -> list[torch.Tensor]:
     """The floating-point buffers whose full names `pattern` finds."""
     return [buffer for name, buffer in module.named_buffers()
             if buffer is not None and buffer.is_floating_point() and pattern.search(name)]
-
-
-def _buffer_dtype(value: Any) -> torch.dtype | None:
-    if value is None:
-        return None
-    if isinstance(value, str) and value.lower() in _DTYPES:
-        return _DTYPES[value.lower()]
-    raise ConfigError(f"data_types.buffer_dtype is {value!r}; use \"fp32\", \"fp16\" or \"bf16\", or leave it out "
-                      "to keep each buffer's own dtype (DeepSpeed's default).")

@@ -303,11 +303,13 @@ class _BatchKeys(BaseModel):
 
 # Known keys, per level: (what crew implements, what only DeepSpeed reads). The second set is accepted
 # without a warning and reported by ignored_keys(); move a key across when crew starts using it.
-_TOP_KEYS = frozenset(Config.model_fields) - {"world_size", "source", "raw", "auto_balance"} | {"bfloat16"}
+# data_types is read from the raw config (crew/runtime/casting.py, the engine's get_data_types)
+_TOP_KEYS = (frozenset(Config.model_fields) - {"world_size", "source", "raw", "auto_balance"}
+             | {"bfloat16", "data_types"})
 _DEEPSPEED_ONLY = frozenset({
     "aio", "allgather_size", "amp", "autotuning", "comet",
     "comms_logger", "communication_data_type", "compile", "compression_training",
-    "curriculum_learning", "data_efficiency", "data_parallel_size", "data_types", "datastates_ckpt",
+    "curriculum_learning", "data_efficiency", "data_parallel_size", "datastates_ckpt",
     "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
     "flops_profiler", "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level",
     "managed_gradient_accumulation", "memory_breakdown", "nebula", "pipeline", "progressive_layer_drop",
@@ -357,6 +359,7 @@ _SECTIONS = {
     "activation_checkpointing": (frozenset(ActivationCheckpointingConfig.model_fields), frozenset({
         "partition_activations", "contiguous_memory_optimization"})),
     "preemption": (frozenset(PreemptionConfig.model_fields), frozenset()),
+    "data_types": (frozenset({"buffer_dtype", "keep_in_fp32_modules", "grad_accum_dtype"}), frozenset({"param_dtype"})),
     "checkpoint": (frozenset(CheckpointConfig.model_fields), frozenset({
         "load_universal", "parallel_write", "tag_validation", "use_node_local_storage"})),
 }
@@ -401,11 +404,14 @@ def _warn_unknown(work: Mapping[str, Any], source: str) -> None:
                 _warn(f"{source}: unknown key '{prefix}{key}' is ignored{hint}")
 
 
+_AUTO_IS_A_VALUE = frozenset({PER_RANK_KEY, "keep_in_fp32_modules"})  # "auto" is theirs, not Hugging Face's
+
+
 def _drop_auto(work: dict[str, Any], source: str) -> list[str]:
     """Remove "auto" values from the keys crew implements; return the batch keys that were "auto"."""
     auto_batch = [key for key in _BATCH_KEYS if work.get(key) == "auto"]
     for section, prefix, implemented, _ in list(_levels(work)):
-        for key in [k for k in section if k in implemented - {PER_RANK_KEY} and section[k] == "auto"]:
+        for key in [k for k in section if k in implemented - _AUTO_IS_A_VALUE and section[k] == "auto"]:
             del section[key]
             if prefix or key not in _BATCH_KEYS:
                 _warn(f"{source}: {prefix}{key} is \"auto\", which only a Hugging Face integration fills "
@@ -420,10 +426,8 @@ def ignored_keys(config: Config) -> list[str]:
     """
     found = ["bfloat16"] if "bf16" in config.raw and "bfloat16" in config.raw else []
     for section, prefix, _, deepspeed_only in _levels(config.raw):
-        found += [f"{prefix}{key}" for key in section if key in deepspeed_only and key != "data_types"]
+        found += [f"{prefix}{key}" for key in section if key in deepspeed_only]
         if not prefix:
-            types = section.get("data_types")  # buffer_dtype, keep_in_fp32_modules act (casting.py)
-            found += ["data_types.param_dtype"] if isinstance(types, Mapping) and "param_dtype" in types else []
             found += [key for key in section if key in _TYPED_NO_EFFECT and section[key] != _TYPED_NO_EFFECT[key]]
     return found
 

@@ -106,8 +106,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         after}."""
         self.zero.refuse_meta(model)
         dtype = getattr(self.precision, "dtype", torch.float32)
-        if dtype != torch.float32:  # by data_types; not partitioned at any stage (casting.py)
-            casting.cast_buffers(model, dtype, self.crew_config.raw.get("data_types"))
+        casting.cast_buffers(model, dtype, self.crew_config.raw.get("data_types"))  # every stage: never partitioned
         if self.zero.shards_params:
             replaced = self.zero.shard(model, self.precision.sharded_compute_dtype)
             self.precision.cast_module(model)  # checks the dtype's kernels; FSDP2 does the casting

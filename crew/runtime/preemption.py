@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-from crew.errors import PREEMPTED_EXIT_CODE, PREEMPTED_MARK
+from crew.errors import PREEMPTED_EXIT_CODE, PREEMPTED_MARK, STOPPED_EXIT_CODE
 from crew.log import warn_once
 from crew.runtime import comm
 
 NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-STOPPED_EXIT_CODE = 128 + signal.SIGTERM  # as a rank stopped by SIGTERM: nothing saved, nothing to resume
 # Hugging Face Trainer's folders (output_dir/checkpoint-N): its own state (trainer_state.json, step, data
 # position) lies beside the engine's, and a save by the engine alone would leave the two disagreeing.
 TRAINER_FOLDER = re.compile(r"checkpoint-\d+")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ def notice(monkeypatch):
         signal.signal(sig, handler)
 
 
-def engine_with(tmp_path: Path, **sections):
+def engine_with(**sections):
     torch.manual_seed(0)
     engine, *_ = crew.initialize(model=torch.nn.Linear(3, 1), config={**CONFIG, **sections})
     return engine
@@ -83,7 +82,7 @@ def test_config_section_is_checked():
 def test_a_notice_saves_at_the_end_of_the_step_with_the_last_client_state(tmp_path, notice, capfd):
     calls = []
     signal.signal(signal.SIGUSR1, lambda number, frame: calls.append(number))  # the script's own, kept
-    engine = engine_with(tmp_path, preemption={"enabled": True})
+    engine = engine_with(preemption={"enabled": True})
     assert signal.getsignal(signal.SIGTERM) == notice._on_signal
     step(engine)
     engine.save_checkpoint(tmp_path / "ckpt", client_state={"seen": 1})
@@ -97,14 +96,14 @@ def test_a_notice_saves_at_the_end_of_the_step_with_the_last_client_state(tmp_pa
     assert "crew: SIGUSR1 received: finishing this optimizer step, then saving a checkpoint" in err
     assert f"{PREEMPTED_MARK}{tmp_path / 'ckpt' / 'global_step2'}" in err
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
-    resumed = engine_with(tmp_path)
+    resumed = engine_with()
     path, client_state = resumed.load_checkpoint(tmp_path / "ckpt")
     assert (resumed.global_steps, client_state) == (2, {"seen": 1})
     assert torch.equal(resumed.module.weight, engine.module.weight)
 
 
 def test_a_notice_before_any_save_exits_as_a_stopped_job(tmp_path, notice, capfd):
-    engine = engine_with(tmp_path, preemption={"enabled": True})
+    engine = engine_with(preemption={"enabled": True})
     notice._on_signal(signal.SIGTERM, None)
     with pytest.raises(SystemExit) as stopped:
         step(engine)
@@ -115,7 +114,7 @@ def test_a_notice_before_any_save_exits_as_a_stopped_job(tmp_path, notice, capfd
 
 def test_off_nothing_is_installed_and_steps_go_on(tmp_path, notice):
     before = signal.getsignal(signal.SIGTERM)
-    engine = engine_with(tmp_path)
+    engine = engine_with()
     assert engine._preemption is None and signal.getsignal(signal.SIGTERM) == before
     notice.signal = "SIGTERM"  # even a flag set elsewhere is not looked at
     step(engine)

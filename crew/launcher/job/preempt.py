@@ -20,10 +20,9 @@ import signal
 import subprocess
 from collections.abc import Callable, Mapping
 
-from crew.errors import PREEMPTED_EXIT_CODE
+from crew.errors import PREEMPTED_EXIT_CODE, STOPPED_EXIT_CODE
 
 NOTICE_SIGNALS = ("SIGTERM", "SIGUSR1")
-STOPPED_EXIT_CODE = 128 + signal.SIGTERM
 SCONTROL_TIMEOUT_S = 30.0
 
 

@@ -71,7 +71,7 @@ class Zero:
         self.grads = None  # stage 2 on more than one rank: its stage2.GradientPartition
         self.partitioned = False  # the optimizer is stage2.py's (each rank holds its owned masters and grads)
         self.shard_group = hsdp.group_size(extra, world_size) if self.stage == 3 else None  # MiCS / hpZ
-        self._extra = extra
+        self._hsdp_no_effect = hsdp.no_effect(extra) if self.stage < 3 else []
 
     @property
     def shards_params(self) -> bool:
@@ -82,7 +82,7 @@ class Zero:
         """Implemented keys that do nothing at this stage (on top of config.ignored_keys)."""
         if self.stage == 3 and self.bucket_elements is not None:
             return [f"zero_optimization.{key}" for key in _BUCKET_KEYS]
-        return hsdp.no_effect(self._extra) if self.stage < 3 else []
+        return self._hsdp_no_effect
 
     # -- the model ---------------------------------------------------------------------------
 
