@@ -23,3 +23,9 @@ def test_losses_match_within_the_dtypes_tolerance_step_by_step():
     assert gpu_check.within([1.0, 0.5], [1.0005, 0.5004], "fp32")
     assert not gpu_check.within([1.0, 0.6], [1.0, 0.5], "bf16")  # one step off by 20%
     assert not gpu_check.within([1.0], [1.0, 0.5], "fp32")  # a step missing
+
+
+def test_the_cuda_tests_run_from_the_files_that_mark_them_only():
+    files = gpu_check.cuda_test_files()
+    assert "tests/runtime/test_cuda.py" in files and "tests/deepspeed/test_checkpointing.py" in files
+    assert not any(file.startswith("tests/hf/") for file in files)  # trl/datasets: not on the GPU machines

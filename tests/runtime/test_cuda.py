@@ -1,5 +1,6 @@
 """crew's engine on a CUDA device, one rank (NCCL): the same losses as on the CPU at fp32, bf16 within its
-rounding, at ZeRO stages 0 and 3. Skips without CUDA; `make gpu-check` runs it (pytest -m cuda)."""
+rounding, at ZeRO stages 0 and 3; a checkpoint saved on the GPU resumes on a machine without one. Skips
+without CUDA; `make gpu-check` runs it (pytest -m cuda)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")]
 
 
-def train(rank: int, device: str, precision: str, stage: int) -> list[float]:
+def train(rank: int, device: str, precision: str, stage: int, steps: slice = slice(0, 5), save: str = "",
+          load: str = "") -> list[float]:
+    """The losses of data[steps]; `load` resumes from a checkpoint folder first, `save` writes one after."""
     import crew
 
     torch.manual_seed(0)
@@ -22,7 +25,9 @@ def train(rank: int, device: str, precision: str, stage: int) -> list[float]:
         torch.cuda.is_available = lambda: False
     engine, _, _, _ = crew.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert engine.device.type == device
-    data = torch.randn(5, 8, 64)
+    if load:
+        engine.load_checkpoint(load)
+    data = torch.randn(5, 8, 64, generator=torch.Generator().manual_seed(1))[steps]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     losses = []
     for x in data:
@@ -31,6 +36,8 @@ def train(rank: int, device: str, precision: str, stage: int) -> list[float]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    if save:
+        engine.save_checkpoint(save)
     return losses
 
 
@@ -39,3 +46,13 @@ def test_one_rank_on_cuda_gives_the_cpus_losses(stage):
     reference = run_ranks(train, 1, "cpu", "fp32", stage)[0]
     assert run_ranks(train, 1, "cuda", "fp32", stage)[0] == pytest.approx(reference, rel=1e-4, abs=1e-6)
     assert run_ranks(train, 1, "cuda", "bf16", stage)[0] == pytest.approx(reference, rel=5e-2, abs=1e-3)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpoint_saved_on_cuda_resumes_on_the_cpu(stage, tmp_path):
+    """Saved after 3 of 5 steps on the GPU, resumed on the CPU: the last 2 steps are the GPU run's own."""
+    whole = run_ranks(train, 1, "cuda", "fp32", stage, slice(0, 5))[0]
+    first = run_ranks(train, 1, "cuda", "fp32", stage, slice(0, 3), str(tmp_path))[0]
+    rest = run_ranks(train, 1, "cpu", "fp32", stage, slice(3, 5), "", str(tmp_path))[0]
+    assert first == pytest.approx(whole[:3], rel=1e-6)
+    assert rest == pytest.approx(whole[3:], rel=1e-4, abs=1e-6)
