@@ -19,6 +19,7 @@ UNSUPPORTED = {
     "compression": "model compression",
     "profiling": "the flops profiler",
     "sequence": "sequence parallelism",
+    "sequence_parallel": "Ulysses sequence parallelism",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine",
     "sparse_attention": "sparse attention (removed from DeepSpeed 0.19 too)",
     "launcher": "DeepSpeed's launcher: `crew run` starts the job",

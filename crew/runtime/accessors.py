@@ -340,6 +340,13 @@ class DeepSpeedAccessors:
                 state[name] = state[first]  # tied weights: one tensor
         return state
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's: the ZeRO-3 one at stage 3 (crew has no tensor parallelism, its other case)."""
+        if self.zero.shards_params:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        raise ValueError("consolidated_16bit_state_dict is only applicable to cases where weights are partitioned, "
+                         "including Zero Stage 3 and tensor parallelism.")
+
     def destroy(self) -> None:
         """Release the DDP wrapper, the optimizer state and this engine's entry among the live
         engines. The engine cannot train afterwards; calling it again does nothing."""

@@ -66,6 +66,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             self._client_optimizer_name = type(built).__name__
         self.optimizer = self.zero.shard_optimizer(built, self.precision) if built is not None else None
+        if self.optimizer is not None:
+            self.optimizer.overflow = False  # as on DeepSpeed's ZeRO and fp16 optimizers: Accelerate reads it
         if self.balancer is not None:  # after the optimizer: at stage 2 it owns the gradient hooks
             self.balancer.watch(self._ddp if self._ddp is not None else self.zero.grads)
         self.lr_scheduler = self._scheduler(lr_scheduler) if built is not None else None
@@ -199,6 +201,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
                 '\'optimizer\' section (e.g. {"type": "AdamW", "params": {"lr": 1e-3}}) or pass '
                 "initialize(optimizer=...).")
         overflow = self.precision.unscale_grads()
+        self.optimizer.overflow = bool(overflow)
         if not overflow:
             self._clip_and_record_norm(_flat(self.optimizer.param_groups))  # norm before clipping
             self.optimizer.step()

@@ -1,4 +1,4 @@
-"""`deepspeed.runtime.utils`: see_memory_usage and set_random_seed, as in DeepSpeed 0.19.8."""
+"""`deepspeed.runtime.utils`: see_memory_usage, set_random_seed and move_to_device, as in DeepSpeed 0.19.8."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from crew.deepspeed.accelerator import get_accelerator
 from crew.runtime import comm
 
-__all__ = ["see_memory_usage", "set_random_seed"]
+__all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]
 
 _GIB = 2**30
 
@@ -35,3 +35,19 @@ def set_random_seed(seed: int) -> None:
     random.seed(seed)
     numpy.random.seed(seed % 2**32)
     torch.manual_seed(seed % 2**63)
+
+
+def move_to_device(item, device, criterion_func=None):
+    """`item` (a tensor, or lists, tuples and dicts of them, rebuilt as plain ones) on `device`. A tensor
+    criterion_func accepts moves in place (its storage changes, so other references see the move); every
+    other tensor is returned as a copy on `device`, as in DeepSpeed."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(value, device, criterion_func) for value in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(value, device, criterion_func) for value in item)
+    if isinstance(item, dict):
+        return {key: move_to_device(value, device, criterion_func) for key, value in item.items()}
+    return item.to(device)

@@ -339,3 +339,9 @@ def sorted_by_id(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Paramete
     """Each parameter once, in ds_id order: every rank issues the same collectives in the same order."""
     unique = {id(p): p for p in params}
     return sorted(unique.values(), key=lambda p: p.ds_id)
+
+
+def get_accelerator():
+    """DeepSpeed's module has it imported (transformers' prevent_arange_dtype_change reads pp.get_accelerator)."""
+    from crew.deepspeed.accelerator import get_accelerator as current
+    return current()
