@@ -58,9 +58,7 @@ REFUSED = {
 IN_PROGRESS = {".parameter_offload", ".param_coordinator", ".forward_hooks", ".backward_hooks",
                ".ds_status", ".ds_external_parameters", ".ds_active_sub_modules", "._register_deepspeed_module",
                "deepspeed.utils.logging", "deepspeed.utils.logging.logger", "deepspeed.DeepSpeedEngine",
-               "deepspeed.runtime.engine.DeepSpeedEngine",
-               # Lightning's convert_zero_checkpoint_to_fp32_state_dict (lightning/pytorch/utilities/deepspeed.py)
-               "deepspeed.utils.zero_to_fp32.get_model_state_file", "deepspeed.utils.zero_to_fp32.get_optim_files"}
+               "deepspeed.runtime.engine.DeepSpeedEngine", ".partition_numel"}
 
 
 def check_all(names: list[dict]) -> dict[str, tuple[str, str]]:

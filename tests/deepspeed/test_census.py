@@ -11,6 +11,7 @@ The imports run in the rank so that the alias never enters this pytest process.
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 
 import pytest
@@ -46,7 +47,26 @@ def _move_to_device() -> dict:
             "types": [type(moved["a"]).__name__, type(moved["a"][1]).__name__]}
 
 
-def _census_rank(rank: int, names: list[dict]) -> dict:
+def _zero_to_fp32_files(engine, folder) -> dict:
+    """Lightning's convert_zero_checkpoint_to_fp32_state_dict lists a tag folder's DeepSpeed files with these."""
+    from deepspeed.utils.zero_to_fp32 import get_model_state_file, get_optim_files
+
+    deepspeed_tag = folder / "deepspeed" / "global_step1"
+    deepspeed_tag.mkdir(parents=True)
+    for rank in (10, 2):
+        (deepspeed_tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+    (deepspeed_tag / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
+    engine.save_checkpoint(str(folder / "crew"), tag="step1")
+    try:
+        get_optim_files(folder / "crew" / "step1")
+        refusal = None
+    except Exception as error:  # the type is part of what is checked
+        refusal = f"{type(error).__name__}: {error}"
+    return {"optim": [pathlib.Path(f).name[:22] for f in get_optim_files(deepspeed_tag)],
+            "model": pathlib.Path(get_model_state_file(deepspeed_tag, 3)).name, "crew": refusal}
+
+
+def _census_rank(rank: int, names: list[dict], folder) -> dict:
     from crew.deepspeed import alias
 
     alias.install()
@@ -63,14 +83,15 @@ def _census_rank(rank: int, names: list[dict]) -> dict:
     except ValueError as error:
         refusal = str(error)
     return {"verdicts": verdicts, "overflow": _overflow_flags(), "move": _move_to_device(),
+            "zero_to_fp32": _zero_to_fp32_files(engines[0], folder),
             "device": pp.get_accelerator().device_name(), "refusal": refusal,
             "consolidated": {k: v.tolist() for k, v in consolidated.items()},
             "whole": {k: v.tolist() for k, v in zero3._zero3_consolidated_16bit_state_dict().items()}}
 
 
 @pytest.fixture(scope="module")
-def census_rank() -> dict:
-    return run_ranks(_census_rank, 1, CENSUS["names"])[0]
+def census_rank(tmp_path_factory) -> dict:
+    return run_ranks(_census_rank, 1, CENSUS["names"], tmp_path_factory.mktemp("census"))[0]
 
 
 def test_every_name_is_provided_or_refused_naming_it(census_rank):
@@ -112,3 +133,11 @@ def test_what_the_census_added(census_rank):
     # DeepSpeed 0.19.8's message, word for word: crew has ZeRO-3 and no tensor parallelism
     assert census_rank["refusal"].startswith("consolidated_16bit_state_dict is only applicable to cases where")
     assert census_rank["consolidated"] == census_rank["whole"] and len(census_rank["whole"]) == 4
+
+
+def test_zero_to_fp32_file_lists(census_rank):
+    files = census_rank["zero_to_fp32"]
+    assert files["optim"] == ["bf16_zero_pp_rank_2_mp", "bf16_zero_pp_rank_10_m"]  # DeepSpeed's natural order
+    assert files["model"] == "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    assert files["crew"].startswith("CheckpointError:") and "is a crew checkpoint" in files["crew"]
+    assert "crew export" in files["crew"]

@@ -4,6 +4,7 @@ the shards of a stage 2-3 checkpoint are consolidated here (as `crew export` doe
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from crew.runtime.checkpoint.exporting import read_fp32_module
 from crew.runtime.checkpoint.layout import MANIFEST
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
-           "load_state_dict_from_zero_checkpoint"]
+           "get_model_state_file", "get_optim_files", "load_state_dict_from_zero_checkpoint"]
 
 _FILE_SUFFIXES = (".bin", ".pt", ".safetensors")
 
@@ -72,6 +73,41 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     model = model.cpu()
     model.load_state_dict(state, strict=False)
     return model
+
+
+def get_model_state_file(checkpoint_dir, zero_stage) -> str:
+    """DeepSpeed's: the tag folder's module states file (rank 0's at stage 3). Lightning's
+    convert_zero_checkpoint_to_fp32_state_dict reads it for its own keys."""
+    folder = _deepspeed_folder(checkpoint_dir)
+    name = "mp_rank_00_model_states.pt" if zero_stage <= 2 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    if not (folder / name).exists():
+        raise FileNotFoundError(f"can't find model states file at '{folder / name}'")
+    return str(folder / name)
+
+
+def get_optim_files(checkpoint_dir) -> list[str]:
+    """DeepSpeed's: the tag folder's `*_optim_states.pt` files, in rank order."""
+    folder = _deepspeed_folder(checkpoint_dir)
+    found = sorted((str(path) for path in folder.glob("*_optim_states.pt")), key=_natural)
+    if not found:
+        raise FileNotFoundError(f"can't find *_optim_states.pt files in directory '{folder}'")
+    return found
+
+
+def _deepspeed_folder(checkpoint_dir) -> Path:
+    """A DeepSpeed tag folder; a crew one is named as such, with what reads it (it has no DeepSpeed files)."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    if (folder / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{folder} is a crew checkpoint: it has no DeepSpeed model/optim states files. Read its weights with "
+            "get_fp32_state_dict_from_zero_checkpoint(save_dir) or `crew export SAVE_DIR OUT`.")
+    return folder
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def _main(argv: list[str] | None = None) -> None:
