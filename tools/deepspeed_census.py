@@ -1,7 +1,7 @@
 """A census of the DeepSpeed names the libraries built on DeepSpeed touch, and what crew does for each.
 
     .venv/bin/python tools/deepspeed_census.py                   # the default libraries, docs/ rewritten
-    .venv/bin/python tools/deepspeed_census.py trl path/to/x.whl # packages, folders, wheels or sdists
+    .venv/bin/python tools/deepspeed_census.py trl x.whl --out /tmp/c  # packages, folders, wheels, sdists
     .venv/bin/python tools/deepspeed_census.py --candidates      # DeepSpeed attributes used but not curated
 
 It reads the libraries' Python source with `ast` (nothing is imported from them) and finds three kinds of
@@ -43,10 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="*", help=f"packages or paths (default: {' '.join(DEFAULT_LIBRARIES)})")
     parser.add_argument("--deepspeed-src", type=pathlib.Path, help="DeepSpeed's package folder")
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs", help="folder for the json and md")
+    parser.add_argument("--out", type=pathlib.Path,
+                        help="folder for the json and md (default: docs/, for the default libraries only)")
     parser.add_argument("--candidates", action="store_true",
                         help="list DeepSpeed attributes the libraries use that ATTRIBUTES does not curate")
     args = parser.parse_args(argv)
+    if args.out is None and args.sources and not args.candidates:
+        parser.error("with SOURCES, pass --out DIR: docs/ holds the census of the default libraries")
+    args.out = args.out or ROOT / "docs"
     ds_src = args.deepspeed_src or find_deepspeed_source()
     with tempfile.TemporaryDirectory() as tmp:
         libraries = {name: files for name, files in collect(args.sources or DEFAULT_LIBRARIES, tmp)}
