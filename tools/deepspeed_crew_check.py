@@ -32,7 +32,8 @@ ATTRIBUTES = {
     "_zero3_consolidated_16bit_state_dict": {"owner": "engine", "stages": [3]},
     # only on AutoTP's path (accelerate calls it when tensor_parallel.autotp_size > 1)
     "_consolidated_16bit_state_dict": {"owner": "engine", "stages": [0, 1, 2, 3], "path": "tensor_parallel"},
-    # runtime/zero/stage_1_and_2.py, stage3.py (accelerate checks hasattr(optimizer, "overflow") first)
+    # runtime/zero/stage_1_and_2.py, stage3.py; at stage 0 only FP16_Optimizer (bf16/fp16) has it, not a bare fp32
+    # optimizer (Accelerate checks hasattr(optimizer, "overflow") first)
     "overflow": {"owner": "engine.optimizer", "stages": [1, 2, 3]},
     "parameter_offload": {"owner": "engine.optimizer", "stages": [3]},
     # runtime/zero/parameter_offload.py DeepSpeedZeRoOffload
