@@ -31,7 +31,7 @@ ATTRIBUTES = {
         "save_16bit_model", "empty_partition_cache", "bfloat16_enabled", "fp16_enabled")},
     "_zero3_consolidated_16bit_state_dict": {"owner": "engine", "stages": [3]},
     # only on AutoTP's path (accelerate calls it when tensor_parallel.autotp_size > 1)
-    "_consolidated_16bit_state_dict": {"owner": "engine", "stages": [0, 1, 2, 3], "path": "tensor_parallel"},
+    "_consolidated_16bit_state_dict": {"owner": "engine", "stages": [0, 1, 2, 3]},
     # runtime/zero/stage_1_and_2.py, stage3.py; at stage 0 only FP16_Optimizer (bf16/fp16) has it, not a bare fp32
     # optimizer (Accelerate checks hasattr(optimizer, "overflow") first)
     "overflow": {"owner": "engine.optimizer", "stages": [1, 2, 3]},
