@@ -47,7 +47,9 @@ def checkpoint(function, *args, **kwargs):
     return outputs
 
 
-non_reentrant_checkpoint = checkpoint
+def non_reentrant_checkpoint(function, *args, **kwargs):
+    """DeepSpeed's non-reentrant variant; crew's checkpoint() is non-reentrant already."""
+    return checkpoint(function, *args, **kwargs)
 
 
 def _checkpoint_with_inputs_on_cpu(function, args: tuple, kwargs: dict):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from crew.errors import ConfigError, CrewError
-from crew.runtime import registry
+from crew.runtime import gradnorm, registry
 from crew.runtime.casting import dtype_named
 from crew.runtime.config_view import DeepSpeedConfig, deepspeed_optimizer_name
 from crew.runtime.zero.stage3 import shards_visible
@@ -198,14 +198,12 @@ class DeepSpeedAccessors:
         """Clip to gradient_clipping (when > 0) and keep the norm before clipping. The norm stays a
         tensor until get_global_grad_norm() asks: no device sync on the step."""
         max_norm = self.crew_config.gradient_clipping
-        if self.zero.partitioned and self.world_size > 1:  # each rank holds its own part; summed across ranks
-            from crew.runtime.zero.stage2 import clip_across_ranks
-            norm = clip_across_ranks(params, max_norm, self.device)
-        elif max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        self._global_grad_norm = norm.detach().float()
+        grads = [param.grad for param in params if param.grad is not None]
+        # stage 2: each rank holds the gradients of the parameters it owns, summed across ranks
+        norm = gradnorm.global_norm(grads, self.device, across_ranks=self.zero.partitioned and self.world_size > 1)
+        if max_norm > 0:
+            gradnorm.clip_(grads, max_norm, norm)
+        self._global_grad_norm = norm.float()
         self._step_applied = True
 
     def _record_skipped_step(self) -> None:

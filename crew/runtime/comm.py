@@ -53,6 +53,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         raise CrewError(f"init_distributed(timeout={timeout!r}): expected a datetime.timedelta, e.g. "
                         "timedelta(minutes=30).")
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    _check_backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(get_local_rank())
     if init_method is None and world_size in (-1, 1) and not _launched():
@@ -67,6 +68,19 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                   init_method or f"master {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
     dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank,
                             world_size=world_size)
+
+
+def _check_backend(backend: str) -> None:
+    """A backend this machine cannot run: say so here, not deep inside torch (a CPU-only torch given
+    'nccl' fails in torch.cuda.set_device with "module 'torch._C' has no attribute '_cuda_setDevice'")."""
+    fix = ("Pass dist_backend='gloo' (e.g. --backend gloo), or leave it out: crew picks nccl on a GPU "
+           "and gloo otherwise.")
+    if backend.lower() == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        why = "this torch has no CUDA" if not torch.backends.cuda.is_built() else "no CUDA GPU is visible"
+        raise CrewError(f"init_distributed(dist_backend={backend!r}): NCCL needs a CUDA GPU and {why}. {fix}")
+    available = getattr(dist, "is_backend_available", None)
+    if available is not None and ":" not in backend and not available(backend.lower()):
+        raise CrewError(f"init_distributed(dist_backend={backend!r}): this torch has no {backend!r} backend. {fix}")
 
 
 def _launched() -> bool:

@@ -46,7 +46,10 @@ def _release_process_group() -> None:
     comm.destroy_process_group()
 
 
-class Engine(DeepSpeedAccessors, torch.nn.Module):
+class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
+    """crew's engine, under DeepSpeed's class name: scripts and libraries test `type(model).__name__ ==
+    "DeepSpeedEngine"`. `Engine` is the same class. Its __module__ stays crew's (it is crew's code)."""
+
     def __init__(self, model: torch.nn.Module, config: Config, optimizer=None,
                  model_parameters=None, lr_scheduler=None):
         super().__init__()
@@ -120,9 +123,9 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
     def _optimizer(self, client, model_parameters, replaced: dict) -> torch.optim.Optimizer:
         section = self.crew_config.optimizer
         if client is not None and section is not None:
-            raise ConfigError(
-                f"{self.crew_config.source}: an optimizer is given both to initialize(optimizer=...) and "
-                "in the config's 'optimizer' section. Keep one of them.")
+            # DeepSpeed 0.19.8 (_configure_optimizer) uses the client's and ignores the section (UER-py has both)
+            log_rank0("Using client Optimizer as basic optimizer; the config's 'optimizer' section (%s) is not used",
+                      section.type)
         groups = _param_groups(model_parameters, self.module, replaced)
         if isinstance(client, torch.optim.Optimizer):
             params = _flat(client.param_groups)
@@ -313,6 +316,9 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         if batches_per_epoch is not None:
             line += f"; {batches_per_epoch // self.gradient_accumulation_steps()} steps per epoch"
         log_rank0("%s", line)
+
+
+Engine = DeepSpeedEngine  # crew's own name
 
 
 def _average_grads(params: Iterable[torch.Tensor], bucket_elements: int = 1 << 24) -> None:

@@ -23,7 +23,11 @@ WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
 TOTAL_NUM_STEPS = "total_num_steps"
 
-get_torch_optimizer = _torch_optimizer
+
+def get_torch_optimizer(optimizer):
+    """DeepSpeed's helper: the torch optimizer itself, or the one a wrapper holds in `.optimizer`."""
+    return _torch_optimizer(optimizer)
+
 
 __all__ = ["LRRangeTest", "OneCycle", "VALID_LR_SCHEDULES", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR",
            "get_torch_optimizer"]

@@ -12,6 +12,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,9 +77,14 @@ def start(launch: AgentLaunch) -> subprocess.Popen:
                             preexec_fn=lambda: die_with_parent(launch.kill_signal))
 
 
+# -P (Python 3.11+): `-m` would put the working directory first on sys.path, and a folder named `crew/` there
+# (a user's outputs) would be imported as an empty namespace package in place of an editable install.
+SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
+
+
 def agent_argv(python: str, job: JobSpec, node_rank: int | str, *extra: str,
                module: str = AGENT_MODULE) -> list[str]:
-    return [python, "-u", "-m", module, "--job", job.job_id, "--node_rank", str(node_rank), *extra]
+    return [python, "-u", *SAFE_PATH, "-m", module, "--job", job.job_id, "--node_rank", str(node_rank), *extra]
 
 
 def remote_command(python: str, job: JobSpec, node_rank: int | str, *extra: str,

@@ -13,7 +13,7 @@ CPU) uses the same optimizer without the gradient hooks: DDP averages the gradie
                accumulator, the other ranks drop them. This happens on every micro step, as in
                DeepSpeed's stage 2, so accumulation holds only the owned gradients. At the end of the
                backward that ends an accumulation the accumulators become the owned parameters' `.grad`.
-    step       the global gradient norm is summed from each rank's owned gradients (equal on every
+    step       the global gradient norm is summed in float64 (gradnorm.py) from the owned gradients (equal on every
                rank, for clipping and get_global_grad_norm); under fp16 an inf/nan on any rank skips
                the step on all; each rank steps its own parameters, then broadcasts them.
 
@@ -250,20 +250,6 @@ def _hook(partition_ref: weakref.ref, param: torch.Tensor) -> None:
     if partition is not None and param.grad is not None and \
             getattr(param, "_crew_gradient_partition", None) == id(partition):
         partition.take(param)
-
-
-def clip_across_ranks(params: list[torch.Tensor], max_norm: float, device: torch.device) -> torch.Tensor:
-    """The L2 norm of all gradients across the ranks (each holds the gradients of the tensors it owns), the
-    same on every rank; clips them to max_norm when that is > 0. The all-reduce runs on `device` (the
-    gradients may be CPU masters' when the optimizer is offloaded)."""
-    grads = [param.grad for param in params if param.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    squares = local.to(device, torch.float32).square()
-    dist.all_reduce(squares)
-    norm = squares.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
 
 
 # -- the optimizer -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ code (`shards_visible()`) and torch.distributed.checkpoint's state-dict function
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 from collections.abc import Iterator
@@ -175,7 +176,15 @@ def wrap_units(model: torch.nn.Module, rule: str | tuple[str, ...],
     else:
         units = _children_with_params(model)
     units = [u for u in _outermost(units) if not any(id(p) in keep_in_root for p in u.parameters())]
-    return units
+    return [u for u in units if not _tied_outside(u, model)]
+
+
+def _tied_outside(unit: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """Whether a parameter of `unit` is also another module's (a tied embedding and output layer): FSDP2
+    refuses a parameter in two units, so such a module stays in the root's unit."""
+    everywhere = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    inside = collections.Counter(id(p) for _, p in unit.named_parameters(remove_duplicate=False))
+    return any(everywhere[key] > count for key, count in inside.items())
 
 
 def _children_with_params(model: torch.nn.Module) -> list[torch.nn.Module]:

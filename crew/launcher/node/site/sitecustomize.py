@@ -14,6 +14,8 @@ rank, a `--no_python` wrapper's interpreter, a data-loader worker) may run it:
 - **Stacks on request.** With CREW_STACKS=FD:SIGNAL (set by the agent), faulthandler writes the main
   thread's stack to FD when the agent sends SIGNAL, without stopping the rank: how the agent sees where
   a stalled rank waits (crew/launcher/node/sampler.py).
+- **crew from where it is installed.** `import crew` (and the `deepspeed` shim's) finds the crew this
+  interpreter has, never a folder named `crew/` beside the script or in the working directory.
 """
 
 import atexit
@@ -146,6 +148,30 @@ def _serve_accelerate_on_cpu() -> None:
         sys.meta_path.insert(0, _AfterImport("accelerate.state", _gloo_for_accelerate))
 
 
+class _Pinned:
+    """A meta path finder that answers `name` with the spec it had before the script's folder (or, for
+    `python -m`, the working directory) went first on sys.path: a folder named like it there (a user's
+    `crew/` outputs) would otherwise be imported as an empty namespace package in place of an editable
+    install, which Python's path finder asks only after every sys.path entry."""
+
+    def __init__(self, spec) -> None:
+        self.spec = spec
+
+    def find_spec(self, name, path=None, target=None):
+        return self.spec if name == self.spec.name else None
+
+
+def _pin(name: str) -> None:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)  # sitecustomize runs before sys.path[0] is the script's folder
+    except (ImportError, ValueError):
+        return
+    if spec is not None and spec.origin is not None and spec.loader is not None:
+        sys.meta_path.insert(0, _Pinned(spec))
+
+
 def _run_shadowed() -> None:
     """Run the `sitecustomize` this one hides (a distribution's or a user's), as Python would have."""
     import importlib.machinery
@@ -164,4 +190,5 @@ def _run_shadowed() -> None:
 atexit.register(wait_for_gloo_workers)
 _serve_stacks()
 _serve_accelerate_on_cpu()
+_pin("crew")
 _run_shadowed()
