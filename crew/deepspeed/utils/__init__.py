@@ -1,41 +1,25 @@
-"""`deepspeed.utils`: the logger (crew's, a logging.Logger: transformers sets its level), log_dist,
+"""`deepspeed.utils`: the logger (crew's, a logging.Logger: transformers sets its level), log_dist and the
+`logging` module they come from (DeepSpeed's deepspeed/utils/logging.py; Lightning sets its logger's level),
 RepeatingLoader, the full fp32 value of a parameter or its gradient at any ZeRO stage
 (`safe_get_full_fp32_param`, `safe_get_full_grad`), the ZeRO-3 leaf-module flags (z3_leaf_module.py) and
 `recursive_getattr`/`recursive_setattr` (module_utils.py)."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
+from crew.deepspeed.utils import logging
+from crew.deepspeed.utils.logging import log_dist, log_dist_once, logger, set_log_level_from_string
 from crew.deepspeed.utils.module_utils import recursive_getattr, recursive_setattr
 from crew.deepspeed.utils.z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
                                                  unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
-from crew.log import logger
-from crew.runtime import comm, registry
+from crew.runtime import registry
 from crew.runtime.data import RepeatingLoader
 
-__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "logger", "recursive_getattr", "recursive_setattr",
-           "safe_get_full_fp32_param", "safe_get_full_grad", "set_z3_leaf_module", "set_z3_leaf_modules",
-           "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
-
-
-def _dist_message(message: str, ranks) -> str | None:
-    """DeepSpeed's get_dist_msg: every rank logs before the process group exists; after, the ranks
-    listed (ranks[0] == -1: all of them), and none for ranks None or []."""
-    if not comm.is_initialized():
-        return f"[Rank -1] {message}"
-    rank = comm.get_rank()
-    if ranks and (ranks[0] == -1 or rank in ranks):
-        return f"[Rank {rank}] {message}"
-    return None
-
-
-def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
-    final = _dist_message(message, ranks)
-    if final is not None:
-        logger.log(level, final)
+__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "log_dist_once", "logger", "logging",
+           "recursive_getattr", "recursive_setattr", "safe_get_full_fp32_param", "safe_get_full_grad",
+           "set_log_level_from_string", "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+           "z3_leaf_module", "z3_leaf_parameter"]
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

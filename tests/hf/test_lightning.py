@@ -1,0 +1,80 @@
+"""Lightning's DeepSpeedStrategy on crew's engine (`crew run --as_deepspeed`, 2 ranks on the CPU): one job
+(scripts/lightning_deepspeed.py) fits `deepspeed_stage_1`, `_2`, `_3` and `DeepSpeedStrategy(config=<file>)`
+for one epoch, saves (trainer.save_checkpoint or ModelCheckpoint), resumes in a fresh Trainer with
+fit(ckpt_path=...) for a second epoch; every rank's loss and lr at each step must be a one-process plain
+torch run's, which is what an uninterrupted run gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning", reason="the Lightning test needs lightning (the test extra)")
+import torch  # noqa: E402
+from conftest import crew  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.utils.data import DistributedSampler  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "hf" / "scripts" / "lightning_deepspeed.py"
+CASES = ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3", "config", "fabric"]
+SAMPLES, MICRO_BATCH, RANKS, STEPS, LR, CLIP = 24, 4, 2, 6, 0.05, 0.05  # the script's
+
+
+def rank_order(rank: int, epoch: int) -> list[int]:
+    """The samples a rank sees in an epoch: Lightning gives training loaders a shuffling DistributedSampler
+    (seed 0, set_epoch each epoch)."""
+    sampler = DistributedSampler(range(SAMPLES), num_replicas=RANKS, rank=rank, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def reference(clip: float | None = None, schedule: bool = True) -> list[dict]:
+    """The script's model, data, AdamW and StepLR in one process: each step's batch is both ranks' micro
+    batches, the gradient that of the mean loss over it; each rank's loss is the loss on its own half."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 8, generator=generator)
+    y = x.sum(1, keepdim=True).sin()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    steps_per_epoch = SAMPLES // (MICRO_BATCH * RANKS)
+    steps = []
+    for step in range(STEPS):
+        epoch, first = divmod(step, steps_per_epoch)
+        halves = [rank_order(rank, epoch)[first * MICRO_BATCH:(first + 1) * MICRO_BATCH] for rank in range(RANKS)]
+        losses = [F.mse_loss(net(x[half]), y[half]) for half in halves]
+        optimizer.zero_grad()
+        (sum(losses) / RANKS).backward()
+        if clip:
+            nn.utils.clip_grad_norm_(net.parameters(), clip)
+        optimizer.step()
+        if schedule:
+            scheduler.step()
+        steps.append({"losses": [loss.item() for loss in losses], "lr": scheduler.get_last_lr()[0]})
+    return steps
+
+
+def test_lightning_deepspeed_strategies_train_save_and_resume(tmp_path):
+    run = crew("run", "--num_gpus", "2", "--as_deepspeed", str(SCRIPT), str(tmp_path), "--cases", ",".join(CASES),
+               cwd=tmp_path)
+    assert run.code == 0, run.out[-3000:] + run.err[-3000:]
+    # Lightning steps the scheduler it gave the engine; the engine's optimizer stepped the client's first
+    assert "Detected call of `lr_scheduler.step()` before" not in run.out + run.err
+    ranks = json.loads((tmp_path / "lightning.json").read_text())
+    for case in CASES:
+        expected = reference(CLIP if case == "config" else None, schedule=case != "fabric")
+        for rank, results in enumerate(ranks):
+            got = results[case]
+            # Fabric steps DeepSpeed's optimizer, not the engine: its global_steps stay 0, as under DeepSpeed
+            assert got["global_step"] == (0 if case == "fabric" else STEPS), case
+            assert [s["step"] for s in got["steps"]] == list(range(1, STEPS + 1)), case
+            losses = [s["loss"] for s in got["steps"]]
+            assert losses == pytest.approx([s["losses"][rank] for s in expected], rel=1e-5, abs=1e-6), (case, rank)
+            assert [s["lr"] for s in got["steps"]] == pytest.approx([s["lr"] for s in expected]), (case, rank)
+            # DeepSpeed's layout under Lightning's checkpoint path: the tag Lightning names, and `latest`
+            assert {"checkpoint", "latest"} <= set(got["saved"]), (case, got["saved"])
