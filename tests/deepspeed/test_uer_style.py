@@ -1,7 +1,11 @@
 """UER-py's DeepSpeed path under crew (scripts/uer_style.py): a client optimizer and scheduler next to the config's
 optimizer and scheduler sections, as UER's shipped config has them, trains as under DeepSpeed 0.19.8: the client's
 optimizer and scheduler are used, and with gradient_clipping 1.0 every step (all are clipped here) equals a
-one-process plain-torch run that clips by the float64 norm, at ZeRO 2 (with UER's legacy cpu_offload) and 3."""
+one-process plain-torch run that clips by the float64 norm, at ZeRO 2 (with UER's legacy cpu_offload) and 3.
+
+The same script under DeepSpeed 0.19.8 (/opt/dsvenv, DS_ACCELERATOR=cpu, torchrun --nproc_per_node 2, --backend
+gloo) measured: the same losses and lrs as crew, gradient norms within 1e-7 relative of this reference's, final
+weights within 3e-6 of it, and at stage 3 weights equal to crew's bit for bit."""
 
 from __future__ import annotations
 

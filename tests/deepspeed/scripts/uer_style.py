@@ -84,16 +84,17 @@ def init_optimizer(model: torch.nn.Module):
 
 def config(stage: int) -> dict:
     """UER's models/deepspeed_config.json in fp32 (its optimizer section, zero_allow_untested_optimizer, the
-    legacy cpu_offload key), with a scheduler section too: the client's scheduler must win over both."""
+    legacy cpu_offload key, which DeepSpeed honours), with a scheduler section too: the client's scheduler must win over both."""
     zero = {"stage": stage, "contiguous_gradients": False, "overlap_comm": False, "reduce_scatter": False,
             "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}
-    if stage == 2:
-        zero["cpu_offload"] = True
+    extra = {}
+    if stage == 2:  # DeepSpeed 0.19.8 offloads with a client optimizer only when not forced to its CPU Adam
+        zero["cpu_offload"], extra["zero_force_ds_cpu_optimizer"] = True, False
     return {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // 2,
             "steps_per_print": 100, "gradient_clipping": 1.0,
             "optimizer": {"type": "Adam", "params": {"lr": 0.00001, "weight_decay": 1e-2}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.5, "warmup_num_steps": 1}},
-            "zero_optimization": zero, "zero_allow_untested_optimizer": True}
+            "zero_optimization": zero, "zero_allow_untested_optimizer": True, **extra}
 
 
 def reference() -> dict:
@@ -143,7 +144,8 @@ def train(args, stage: int) -> dict:
         deepspeed.comm.all_reduce(mean)
         seen["losses"].append(mean.item() / 2)
         seen["norms"].append(model.get_global_grad_norm().item())
-    seen["weights"] = model.module_state_dict()
+    with deepspeed.zero.GatheredParameters(list(model.module.parameters())):  # whole at ZeRO-3 too
+        seen["weights"] = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
     model.destroy()
     return seen
 
