@@ -20,6 +20,7 @@ import ast
 import importlib.metadata
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -36,6 +37,7 @@ DEFAULT_LIBRARIES = ["transformers", "accelerate", "peft", "trl", "lightning", "
 LLAMAFACTORY = "llamafactory==0.9.5"
 # Receivers that hold an engine in the libraries' code; a generic attribute name (`module`, `optimizer`)
 # counts only on one of them, so `self.optimizer` of a Trainer is not taken for DeepSpeed's.
+DEEPSPEED_PYTHON = pathlib.Path("/opt/dsvenv/bin/python")
 ENGINE_RECEIVERS = ("engine", "deepspeed", "model_wrapped", "ds_model")
 
 
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deepspeed-src", type=pathlib.Path, help="DeepSpeed's package folder")
     parser.add_argument("--out", type=pathlib.Path,
                         help="folder for the json and md (default: docs/, for the default libraries only)")
+    parser.add_argument("--deepspeed-python", type=pathlib.Path, default=DEEPSPEED_PYTHON if DEEPSPEED_PYTHON.exists()
+                        else None, help="a python with real DeepSpeed, to mark which names it has (default: "
+                        f"{DEEPSPEED_PYTHON} when present; none: the column is left out)")
     parser.add_argument("--candidates", action="store_true",
                         help="list DeepSpeed attributes the libraries use that ATTRIBUTES does not curate")
     args = parser.parse_args(argv)
@@ -64,12 +69,30 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "deepspeed_names.json").write_text(json.dumps(
         {"libraries": versions, "names": names}, indent=1) + "\n")
+    if args.deepspeed_python:
+        in_deepspeed = probe_real_deepspeed(args.deepspeed_python, args.out / "deepspeed_names.json")
+        for entry in names:
+            entry["in_deepspeed"] = in_deepspeed[entry["name"]]
+        (args.out / "deepspeed_names.json").write_text(json.dumps(
+            {"libraries": versions, "names": names}, indent=1) + "\n")
     (args.out / "deepspeed-names.md").write_text(markdown(names, versions, verdicts))
     counts = defaultdict(int)
     for verdict in verdicts.values():
         counts[verdict[0]] += 1
     print(f"{len(names)} names from {', '.join(f'{k} {v}' for k, v in versions.items())}: {dict(counts)}")
     return 0
+
+
+def probe_real_deepspeed(python: pathlib.Path, census_file: pathlib.Path) -> dict[str, bool]:
+    """name -> whether DeepSpeed itself has it (tools/deepspeed_reference.py, one CPU rank under torchrun)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "found.json"
+        command = [str(python), "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                   str(ROOT / "tools" / "deepspeed_reference.py"), str(census_file), str(out)]
+        run = subprocess.run(command, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"deepspeed_census: {' '.join(command)} failed:\n{run.stderr[-3000:]}")
+        return json.loads(out.read_text())
 
 
 # ---- sources -------------------------------------------------------------------------------------------
@@ -359,13 +382,15 @@ def markdown(names: list[dict], versions: dict, verdicts: dict) -> str:
         "`attribute` (read on a DeepSpeed engine, ZeRO optimizer, parameter or module; the owner and the "
         "ZeRO stages at which DeepSpeed has it are given). crew: **provided** (imported, or found on a real "
         "crew engine at those stages), **refused** (the error crew raises), **in progress (issue 31)**, "
-        "or **missing**.",
+        "or **missing**. \"In DeepSpeed 0.19.8\": imported, or found on a real DeepSpeed engine at those stages "
+        "(tools/deepspeed_reference.py, run with DeepSpeed's own python on one CPU rank).",
         "",
-        "| name | kind | used by | crew |",
-        "|---|---|---|---|",
+        "| name | kind | used by | in DeepSpeed 0.19.8 | crew |",
+        "|---|---|---|---|---|",
     ]
     for entry in names:
-        lines.append(f"| `{entry['name']}` | {entry['kind']}{_owner(entry)} | {_used_by(entry['used_by'])} | "
+        real = {True: "yes", False: "**no**", None: "not checked"}[entry.get("in_deepspeed")]
+        lines.append(f"| `{entry['name']}` | {entry['kind']}{_owner(entry)} | {_used_by(entry['used_by'])} | {real} | "
                      f"{describe(verdicts[entry['name']])} |")
     return "\n".join(lines) + "\n"
 

@@ -119,6 +119,15 @@ def _names_it(name: str, message: str) -> bool:
     return any(".".join(parts[:end]) in message for end in range(2, len(parts) + 1))
 
 
+def test_names_deepspeed_lacks_are_not_provided(census_rank):
+    """`in_deepspeed` was measured with real DeepSpeed 0.19.8 (tools/deepspeed_reference.py, run by the census):
+    a name it lacks must be missing under crew too, since the libraries feature-detect (ESMFold calls
+    deepspeed.utils.is_initialized() in a try)."""
+    lacking = [e["name"] for e in CENSUS["names"] if e["in_deepspeed"] is False]
+    assert "deepspeed.utils.is_initialized" in lacking and len(lacking) < len(CENSUS["names"]) // 10
+    assert all(census_rank["verdicts"][name][0] != "provided" for name in lacking)
+
+
 def test_every_attribute_is_curated(census_rank):
     attributes = [e for e in CENSUS["names"] if e["kind"] == "attribute"]
     assert attributes and all(e["name"][1:] in check.ATTRIBUTES for e in attributes)
