@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 
 from crew.errors import ConfigError
-from crew.log import log_rank0
+from crew.log import log_rank0, warn_once
 from crew.runtime import balance, casting, checkpoint, comm, preemption, registry, zero
 from crew.runtime.accessors import DeepSpeedAccessors
 from crew.runtime.config import Config
@@ -34,6 +34,12 @@ from crew.runtime.optim import build_optimizer, build_scheduler
 from crew.runtime.precision import Precision, make_precision
 from crew.runtime.progress import ThroughputTimer, show_step
 from crew.runtime.zero.stage2 import chunks
+
+# deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS: torch's by type, DeepSpeed's ops by crew's classes
+_ZERO_TESTED_TORCH = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
+_ZERO_TESTED_OPS = frozenset({"FusedAdam", "DeepSpeedCPUAdam", "ZenFlowCPUAdam", "DeepSpeedCPUAdagrad",
+                              "DeepSpeedCPULion", "FusedLion", "MuonWithAuxAdam"})
+
 
 @atexit.register
 def _release_process_group() -> None:
@@ -66,6 +72,9 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
         self.module, replaced = self._place(model)
         self._ddp = self.zero.wrap_ddp(model)
         built = self._optimizer(optimizer, model_parameters, replaced)
+        if self.zero.stage > 0 and built is not None and not _zero_tested(built):
+            # DeepSpeed 0.19.8 asks for zero_allow_untested_optimizer here; crew trains it either way
+            warn_once("**** You are using ZeRO with an untested optimizer, proceed with caution *****")
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             self._client_optimizer_name = type(built).__name__
         self.optimizer = self.zero.shard_optimizer(built, self.precision) if built is not None else None
@@ -335,6 +344,11 @@ def _average_grads(params: Iterable[torch.Tensor], bucket_elements: int = 1 << 2
             for grad in bucket:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+
+
+def _zero_tested(optimizer: torch.optim.Optimizer) -> bool:
+    cls = type(optimizer)
+    return cls in _ZERO_TESTED_TORCH or (cls.__module__.startswith("crew.") and cls.__name__ in _ZERO_TESTED_OPS)
 
 
 def _device(local_rank: int) -> torch.device:

@@ -34,6 +34,7 @@ def test_uer_trains_with_its_own_optimizer_and_scheduler_as_one_process_would(tm
                "--stages", "2,3", cwd=tmp_path, timeout=240)
     assert run.code == 0, run.err
     assert "Using client Optimizer as basic optimizer" in run.out
+    assert "You are using ZeRO with an untested optimizer, proceed with caution" in run.out + run.err  # as DeepSpeed
     expected = reference()
     assert min(expected["norms"]) > 1.0  # gradient_clipping 1.0 acts on every step
     results = torch.load(tmp_path / "results.pt", weights_only=False)
