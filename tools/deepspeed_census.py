@@ -260,6 +260,10 @@ class Scanner(ast.NodeVisitor):
 
     def _scoped(self, node) -> None:
         self.scopes.append({})
+        arguments = getattr(node, "args", None)
+        if isinstance(arguments, ast.arguments):  # a parameter named `dist` or `deepspeed` shadows the module
+            for arg in arguments.posonlyargs + arguments.args + arguments.kwonlyargs:
+                self.bind(arg.arg, None)
         self.generic_visit(node)
         self.scopes.pop()
 

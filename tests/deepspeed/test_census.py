@@ -155,3 +155,42 @@ def test_zero_to_fp32_file_lists(census_rank):
     assert files["model"] == "zero_pp_rank_0_mp_rank_00_model_states.pt"
     assert files["crew"].startswith("CheckpointError:") and "is a crew checkpoint" in files["crew"]
     assert "crew export" in files["crew"]
+
+
+def test_the_scanner_follows_pythons_bindings(tmp_path):
+    """tools/deepspeed_census.py on a library file: imports, chains cut where DeepSpeed's modules end (a
+    DeepSpeed source tree in miniature, with deepspeed.zero an alias as in deepspeed/__init__.py), scopes, and
+    the curated attributes, read directly or through hasattr."""
+    import deepspeed_census as census
+
+    src = tmp_path / "deepspeed"
+    for module in ("runtime/zero/partition_parameters.py", "comm/comm.py", "utils/logging.py"):
+        (src / module).parent.mkdir(parents=True, exist_ok=True)
+        (src / module).write_text("")
+    (src / "__init__.py").write_text("from .runtime import zero\n")
+    for package in ("runtime", "runtime/zero", "comm", "utils"):
+        (src / package / "__init__.py").touch()
+    library = '''
+import torch.distributed as dist
+import deepspeed
+
+def save(engine, p):
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    with deepspeed.zero.GatheredParameters([p]):
+        dist.get_rank()
+    deepspeed.utils.logging.logger.info("x")
+    engine.module.train()
+    self.optimizer.zero_grad()
+    return p.ds_status == ZeroParamStatus.AVAILABLE and hasattr(p, "ds_numel")
+
+def plain(deepspeed):
+    dist.barrier()
+    deepspeed.zero.Init()
+'''
+    found = {(name, line) for name, line in census.scan_file(library, census.DeepSpeedModules(src))}
+    assert found == {
+        ("deepspeed", 3), ("deepspeed.comm", 6), ("deepspeed.runtime.zero.partition_parameters.ZeroParamStatus", 7),
+        ("deepspeed.zero.GatheredParameters", 8), ("deepspeed.comm.get_rank", 9),
+        ("deepspeed.utils.logging.logger", 10), (".module", 11), (".ds_status", 13),
+        ("deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.AVAILABLE", 13), (".ds_numel", 13)}
