@@ -51,6 +51,11 @@ class ConfigWarning(UserWarning):
     """A config key crew does not know (probably a typo), or a value crew replaced with a default."""
 
 
+# crew's logger prints each of these; Python's own display of the same warning would print it a second time.
+# Appended: a filter the user or pytest sets (-W error::crew.runtime.config.ConfigWarning) still wins.
+warnings.filterwarnings("ignore", category=ConfigWarning, append=True)
+
+
 class OptimizerConfig(BaseModel):
     model_config = _SECTION
     type: str = Field(description="Optimizer name as DeepSpeed spells it ('Adam', 'AdamW', 'SGD', ...).")
@@ -365,8 +370,13 @@ _SECTIONS = {
 }
 
 
+_LOGGED: set[str] = set()  # each warning once per process, however many engines a script builds (TRL: several)
+
+
 def _warn(message: str) -> None:
-    logger.warning(message)
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning(message)
     frame, level = sys._getframe(0), 1  # point the warning at the first caller outside this module
     while frame.f_back is not None and frame.f_code.co_filename == __file__:
         frame, level = frame.f_back, level + 1
@@ -398,10 +408,17 @@ def _warn_unknown(work: Mapping[str, Any], source: str) -> None:
     for section, prefix, implemented, deepspeed_only in _levels(work):
         known = implemented | deepspeed_only
         for key in section:
+            if not prefix and _dotted_section_key(key):
+                continue  # TRL's prepare_deepspeed writes these; DeepSpeed ignores them without a word
             if key not in known:
                 close = difflib.get_close_matches(str(key), sorted(known), n=1)
                 hint = f"; did you mean '{prefix}{close[0]}'?" if close else " (not a DeepSpeed key crew knows)."
                 _warn(f"{source}: unknown key '{prefix}{key}' is ignored{hint}")
+
+
+def _dotted_section_key(key: Any) -> bool:
+    """A top-level key spelled "section.key" (e.g. "zero_optimization.reduce_bucket_size")."""
+    return isinstance(key, str) and key.split(".", 1)[0] in _SECTIONS and "." in key
 
 
 _AUTO_IS_A_VALUE = frozenset({PER_RANK_KEY, "keep_in_fp32_modules"})  # "auto" is theirs, not Hugging Face's

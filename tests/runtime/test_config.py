@@ -329,6 +329,25 @@ def test_unknown_keys_warn_with_did_you_mean(patch, key, suggestion, caplog):
     assert [r.getMessage() for r in caplog.records] == messages
 
 
+def test_trls_dotted_keys_are_ignored_silently_and_a_warning_is_logged_once_per_process(caplog, capsys):
+    # TRL's prepare_deepspeed writes "zero_optimization.reduce_bucket_size" etc. at the top level; DeepSpeed
+    # ignores them without a word. A warning repeated by each engine a script builds is logged once, and
+    # Python's own display of ConfigWarning (a second copy of the logged line) is off unless a filter asks.
+    dotted = {"zero_optimization.reduce_bucket_size": 1024, "zero_optimization.stage3_prefetch_bucket_size": 9.0}
+    with warnings.catch_warnings(record=True) as record, caplog.at_level(logging.WARNING,
+                                                                         logger="crew.runtime.config"):
+        warnings.simplefilter("always")
+        Config.from_dict({MB: 1, **dotted}, world_size=1)
+        assert record == [] and caplog.records == []
+        for _ in range(2):
+            Config.from_dict({MB: 1, "zero_optimisation_typo_once": 1}, world_size=1)
+    assert len(record) == 2  # programs that record ConfigWarning still get every one
+    assert [r.getMessage() for r in caplog.records] == ["<dict>: unknown key 'zero_optimisation_typo_once' is "
+                                                        "ignored; did you mean 'zero_optimization'?"]
+    warnings.warn("shown?", ConfigWarning)  # the module's default filter: not displayed
+    assert "shown?" not in capsys.readouterr().err
+
+
 DEEPSPEED_ONLY = [
     ("flops_profiler", {"enabled": False}),
     ("timers", {"throughput": {"enabled": True}}),

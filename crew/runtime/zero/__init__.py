@@ -72,6 +72,7 @@ class Zero:
         self.partitioned = False  # the optimizer is stage2.py's (each rank holds its owned masters and grads)
         self.shard_group = hsdp.group_size(extra, world_size) if self.stage == 3 else None  # MiCS / hpZ
         self._hsdp_no_effect = hsdp.no_effect(extra) if self.stage < 3 else []
+        self._sharded: torch.nn.Module | None = None  # stage 3: the model shard() wrapped
 
     @property
     def shards_params(self) -> bool:
@@ -87,11 +88,12 @@ class Zero:
     # -- the model ---------------------------------------------------------------------------
 
     def wrap_ddp(self, model: torch.nn.Module):
-        """Stages 0-1 on more than one rank: DDP, which also broadcasts rank 0's weights. Stage 2 has
-        no DDP (its gradient hooks reduce): rank 0's weights are broadcast here all the same."""
+        """Stages 0-1 on more than one rank: DDP, which also broadcasts rank 0's weights. Stage 2 and a
+        model with no trainable parameter have no DDP: rank 0's weights are broadcast here all the same."""
         if self.stage == 3 or self.world_size == 1:
             return None
-        if self.stage == 2:
+        # a frozen model (TRL's reference/reward/teacher models at stage 0) has nothing for DDP to reduce
+        if self.stage == 2 or not any(p.requires_grad for p in model.parameters()):
             from crew.runtime.zero import stage2  # torch.distributed.optim: seconds to import, on use only
             stage2.broadcast_module(model, self.bucket_elements)
             return None
@@ -107,6 +109,7 @@ class Zero:
     def shard(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
         """Stage 3: fully_shard the model's units and its root, in place (stage3.py). Returns {id(old
         param): new}, so that parameter lists taken before sharding can be pointed at the new ones."""
+        self._sharded = model
         return stage3.shard(model, hsdp.mesh(self.device, self.world_size, self.shard_group), self.device,
                             self.wrap_rule, compute_dtype, self.offload, self.stage)
 
@@ -134,6 +137,9 @@ class Zero:
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, precision=None) -> torch.optim.Optimizer:
         """Stage 1: the same optimizer, its state split over the ranks by ZeroRedundancyOptimizer.
         Stage 2: the same split, and with it the fp32 masters (of `precision`) and the gradients."""
+        if self.stage == 3 and self._sharded is not None:
+            from crew.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+            optimizer.parameter_offload = DeepSpeedZeRoOffload(self._sharded)  # TRL's generation reads it
         if self.stage not in (1, 2):
             return optimizer
         from torch.distributed.optim import ZeroRedundancyOptimizer

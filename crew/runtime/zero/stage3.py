@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,6 +57,9 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
     for name, param in current.items():
         _mark_partitioned(param, ds_ids.get(name), compute_dtype)
     _see_whole_outside_forward(model)
+    _tag_whole_in_forward(model)
+    for module in model.modules():
+        module.ds_external_parameters = types.MethodType(_external_items, module)
     model.register_state_dict_post_hook(_placeholders)
     where = (f"{mesh.size()} ranks" if mesh.ndim == 1 else
              f"groups of {mesh.size(1)} ranks, replicated {mesh.size(0)} times (HSDP)")
@@ -67,14 +71,27 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
 def _made_whole(module: torch.nn.Module, device: torch.device) -> list[torch.nn.Parameter]:
     """The module's parameters not sharded yet, whole and on `device` (gathered if zero.Init split them)."""
     params = [p for p in dict.fromkeys(module.parameters()) if not gather.is_shard(p)]
-    pp.gather([p for p in params if pp.is_partitioned(p)])
+    split = [p for p in params if pp.is_partitioned(p)]
+    built_whole = [p for p in params if not pp.is_partitioned(p)]
+    pp.gather(split)
     for param in params:
         param.data = param.data.to(device)
+    _rank0s_values(built_whole)
     for buffer_owner in module.modules():
         for name, buffer in buffer_owner._buffers.items():
             if buffer is not None and buffer.device != device:
                 buffer_owner._buffers[name] = buffer.to(device)
     return params
+
+
+def _rank0s_values(params: list[torch.nn.Parameter]) -> None:
+    """A model built outside zero.Init may differ between ranks (unseeded init): every rank takes rank 0's
+    values, as DeepSpeed's stage 3 does when it partitions such a model (Init(module=...) broadcasts)."""
+    if torch.distributed.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for param in params:
+            torch.distributed.broadcast(param.data, 0)
 
 
 def _mark_partitioned(param: torch.nn.Parameter, ds_id: int | None, compute_dtype: torch.dtype | None) -> None:
@@ -85,12 +102,44 @@ def _mark_partitioned(param: torch.nn.Parameter, ds_id: int | None, compute_dtyp
     param.partition_numel = _partition_numel(param.numel(), param.device_mesh.size(param.device_mesh.ndim - 1))
     param.ds_status = pp.ZeroParamStatus.NOT_AVAILABLE
     param.ds_persist = False
+    param.ds_active_sub_modules = set()
 
 
 def _partition_numel(numel: int, ranks: int):
     """DeepSpeed's `param.partition_numel()`: the size of one rank's (padded) partition (Lightning's model
     summary at stage 3 prints it)."""
     return lambda: -(-numel // ranks)
+
+
+def _external_items(module: torch.nn.Module):
+    """DeepSpeed's `module.ds_external_parameters()`: (key, parameter) pairs registered as external."""
+    return getattr(module, "_external_params", {}).items()
+
+
+# -- FSDP2's whole parameters, inside a unit's forward --------------------------------------------
+
+def _tag_whole_in_forward(model: torch.nn.Module) -> None:
+    """Inside a unit's forward its module attributes are FSDP2's whole parameters (plain Parameters): they
+    carry the shard's DeepSpeed attributes with `ds_status` AVAILABLE, as DeepSpeed's fetched parameters do
+    (TRL reads `lm_head.weight.ds_status` in the forward to decide whether to gather it)."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.register_forward_pre_hook(_tag_unsharded)  # after FSDP2's own, which unshards
+
+
+def _tag_unsharded(module: torch.nn.Module, args) -> None:
+    for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            whole = getattr(fsdp_param, "_unsharded_param", None)
+            if whole is None or "ds_status" in whole.__dict__:
+                continue
+            shard_param = fsdp_param.sharded_param
+            for name in ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_compute_dtype"):
+                if hasattr(shard_param, name):
+                    setattr(whole, name, getattr(shard_param, name))
+            whole.ds_active_sub_modules = set()
+            whole.ds_status = pp.ZeroParamStatus.AVAILABLE
 
 
 # -- state_dict() ------------------------------------------------------------------------------

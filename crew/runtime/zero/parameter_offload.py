@@ -1,0 +1,100 @@
+"""DeepSpeed's stage-3 hook object, `engine.optimizer.parameter_offload`, with its meaning on FSDP2.
+
+TRL's `unwrap_model_for_generation` (GRPO, RLOO, PPO, GKD at ZeRO-3) generates inside
+`GatheredParameters(model.parameters())` and, around the generation, removes the ZeRO-3 hooks
+(`param.ds_active_sub_modules.clear()`, `hook.remove()` for each of `forward_hooks` and `backward_hooks`)
+and adds them back (`param_coordinator._invalidate_trace()`, `_register_deepspeed_module(module)`), so that
+the whole model stays gathered through every forward of the generation instead of being fetched and
+released module by module. On FSDP2 those hooks are the units' unshard-before / reshard-after forward:
+removing them unshards every unit and keeps it whole; registering them again reshards every unit and
+turns resharding after forward back on. The names are DeepSpeed 0.19.8's (runtime/zero/parameter_offload.py,
+partitioned_param_coordinator.py).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+
+class ZeRoTraceMode(Enum):
+    RECORD = 1
+    COMPLETE = 2
+    INVALID = 3
+
+
+class PartitionedParameterCoordinator:
+    """DeepSpeed's prefetch coordinator; FSDP2 prefetches by itself, so only its trace state is kept."""
+
+    def __init__(self) -> None:
+        self._trace_mode = ZeRoTraceMode.RECORD
+
+    def is_invalid_trace(self) -> bool:
+        return self._trace_mode is ZeRoTraceMode.INVALID
+
+    def is_record_trace(self) -> bool:
+        return self._trace_mode is ZeRoTraceMode.RECORD
+
+    def is_complete_trace(self) -> bool:
+        return self._trace_mode is ZeRoTraceMode.COMPLETE
+
+    def _invalidate_trace(self) -> None:
+        if self.is_invalid_trace():
+            raise RuntimeError("attempted to invalidate already invalid trace")
+        self._trace_mode = ZeRoTraceMode.INVALID
+
+    def reset_step(self) -> None:
+        if self.is_invalid_trace():
+            self._trace_mode = ZeRoTraceMode.RECORD
+
+
+class _UnitHooks:
+    """A removable handle, as `module.register_forward_pre_hook` returns: removing it keeps every FSDP2
+    unit of the model whole (gathered once, no resharding after forward) until hooks are registered again."""
+
+    def __init__(self, owner: DeepSpeedZeRoOffload) -> None:
+        self.owner = owner
+
+    def remove(self) -> None:
+        self.owner._keep_whole()
+
+
+class DeepSpeedZeRoOffload:
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.param_coordinator = PartitionedParameterCoordinator()
+        self.forward_hooks: list = [_UnitHooks(self)]
+        self.backward_hooks: list = []
+        self._whole = False
+
+    def get_param_coordinator(self) -> PartitionedParameterCoordinator:
+        return self.param_coordinator
+
+    def _register_deepspeed_module(self, module: torch.nn.Module, count=None) -> None:
+        """Hooks back on `module`'s units: each is resharded now and after every forward from now on."""
+        if module is self.module and not self.param_coordinator.is_invalid_trace():
+            self.param_coordinator._invalidate_trace()
+        for unit in _units(module):
+            unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
+        if module is self.module:
+            self._whole = False
+            self.forward_hooks = [_UnitHooks(self)]
+
+    def _keep_whole(self) -> None:
+        if self._whole:
+            return
+        self._whole = True
+        root = getattr(self.module, "_get_fsdp_state", None)
+        if root is not None:
+            root()._lazy_init()  # generation can come before the first forward, which would do it
+        with torch.no_grad():
+            for unit in _units(self.module):
+                unit.unshard()
+                unit.set_reshard_after_forward(False, recurse=False)
+
+
+def _units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
