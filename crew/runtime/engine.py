@@ -36,9 +36,10 @@ from crew.runtime.progress import ThroughputTimer, show_step
 from crew.runtime.zero.stage2 import chunks
 
 # deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS: torch's by type, DeepSpeed's ops by crew's classes
+# (crew.runtime.adam's Adam/AdamW stand for FusedAdam with bias_correction=False)
 _ZERO_TESTED_TORCH = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
-_ZERO_TESTED_OPS = frozenset({"FusedAdam", "DeepSpeedCPUAdam", "ZenFlowCPUAdam", "DeepSpeedCPUAdagrad",
-                              "DeepSpeedCPULion", "FusedLion", "MuonWithAuxAdam"})
+_ZERO_TESTED_OPS = frozenset({"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "ZenFlowCPUAdam",
+                              "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedLion", "MuonWithAuxAdam"})
 
 
 @atexit.register

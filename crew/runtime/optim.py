@@ -25,6 +25,7 @@ import torch
 from torch.optim import Optimizer
 
 from crew.errors import ConfigError
+from crew.runtime import adam
 
 __all__ = [
     "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "adam_kernel", "build_optimizer",
@@ -117,11 +118,6 @@ def _build_adam(name: str, params: dict, model_parameters: Iterable) -> Optimize
         return cls(model_parameters, **_checked_values(params))
     _check_keys(params, tuple(_FUSED_ADAM_DEFAULTS) + _ADAM_SWITCHES, "optimizer.params", f"{name} (FusedAdam)")
     merged = {**_FUSED_ADAM_DEFAULTS, **params}
-    if merged["bias_correction"] is not True:
-        raise ConfigError(
-            f"optimizer.params.bias_correction: torch's Adam always corrects bias, got "
-            f"{merged['bias_correction']!r}. Remove the key or set it to true."
-        )
     if merged["amsgrad"] is not False:
         raise ConfigError(
             "optimizer.params.amsgrad: DeepSpeed's FusedAdam rejects AMSGrad. Remove the key, or add "
@@ -131,6 +127,9 @@ def _build_adam(name: str, params: dict, model_parameters: Iterable) -> Optimize
         logger.warning("optimizer.params.set_grad_none=%r is ignored: zero_grad() sets gradients to None, "
                        "as FusedAdam does by default.", merged["set_grad_none"])  # fmt: skip
     kwargs = {key: merged[key] for key in ("lr", "betas", "eps", "weight_decay")}
+    if not _flag("optimizer.params.bias_correction", merged["bias_correction"]):
+        # FusedAdam's bias_correction=False, which torch's Adam cannot do (crew/runtime/adam.py)
+        cls, kwargs["bias_correction"] = (adam.AdamW if cls is torch.optim.AdamW else adam.Adam), False
     model_parameters = list(model_parameters)
     return cls(model_parameters, **_checked_values(kwargs), **adam_kernel(model_parameters))
 

@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from crew.errors import CrewError
 from crew.log import warn_once
 
 _FULL = (torch.float32, torch.float64)
 
 
 def check_group(name: str, group: dict, defaults: dict) -> None:
-    """DeepSpeed reads amsgrad and bias_correction per param group (a group handed over from another
-    optimizer carries its own); torch's Adam would follow amsgrad and ignore bias_correction."""
+    """DeepSpeed reads amsgrad per param group (a group handed over from another optimizer carries its own)
+    and refuses it; torch's Adam would follow it. bias_correction is per group too (crew/runtime/adam.py)."""
     if group.get("amsgrad", defaults.get("amsgrad", False)):
         raise RuntimeError(f"{name} does not support the AMSGrad variant.")
-    if not group.get("bias_correction", True):
-        raise CrewError(f"{name}(bias_correction=False) is not supported by crew: torch's Adam always "
-                        "corrects the moments' bias. Drop bias_correction=False (in the optimizer's "
-                        "arguments and in its param groups).")
 
 
 def warn_low_precision_states(name: str, params: list) -> None:

@@ -4,8 +4,8 @@ adam_w_mode (adamw_mode) True is AdamW's decoupled weight decay (the same steps 
 False is Adam with L2 weight decay added to the gradient, as in DeepSpeed; as there, the mode holds for
 every param group, while lr, betas, eps and weight_decay are each group's own (Accelerate hands
 DeepSpeedCPUAdam another optimizer's param_groups). torch's fused kernel runs on CUDA (as the config's
-"Adam" does, crew/runtime/optim.py). torch always corrects the moments' bias: bias_correction=False is
-refused. Unlike DeepSpeed's, DeepSpeedCPUAdam also steps parameters that are not on the CPU.
+"Adam" does, crew/runtime/optim.py). bias_correction=False (per group, as DeepSpeed reads it) steps
+without the moments' bias corrections, as FusedAdam does (crew/runtime/adam.py). Unlike DeepSpeed's, DeepSpeedCPUAdam also steps parameters that are not on the CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import inspect
 import torch
 
 from crew.deepspeed.ops._common import check_group, warn_low_precision_states
+from crew.runtime.adam import Adam as _BiasCorrectingAdam
 from crew.runtime.optim import adam_kernel
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
@@ -22,19 +23,19 @@ __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
 _HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters
 
 
-class _Adam(torch.optim.Adam):
+class _Adam(_BiasCorrectingAdam):
     """torch's Adam, with AdamW's decoupled weight decay in every group when `decoupled` (done by hand on a
     torch too old for Adam(decoupled_weight_decay=True): param *= 1 - lr * weight_decay, as AdamW does)."""
 
     def __init__(self, name: str, params, lr, bias_correction, betas, eps, weight_decay, amsgrad,
                  decoupled: bool) -> None:
         self._name, self._decoupled = name, decoupled
-        check_group(name, {"amsgrad": amsgrad, "bias_correction": bias_correction}, {})
+        check_group(name, {"amsgrad": amsgrad}, {})
         params = list(params)
         self._manual_decay = decoupled and not _HAS_DECOUPLED
         extra = {"decoupled_weight_decay": decoupled} if _HAS_DECOUPLED else {}
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adam_kernel(params),
-                         **extra)
+                         bias_correction=bias_correction, **extra)
 
     def add_param_group(self, param_group: dict) -> None:
         check_group(self._name, param_group, self.defaults)
