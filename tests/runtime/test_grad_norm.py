@@ -13,7 +13,8 @@ import torch
 from dist import run_ranks
 
 ELEMENTS = 1_350_000
-CASES = [(0, None), (1, None), (2, None), (3, None), (1, "bf16"), (3, "bf16"), (2, "fp16"), (2, "offload")]
+CASES = [(0, None), (1, None), (2, None), (3, None), (1, "bf16"), (3, "bf16"), (2, "fp16"), (2, "offload"),
+         (3, "offload")]
 
 
 def gradient(dtype: torch.dtype = torch.float32) -> torch.Tensor:
