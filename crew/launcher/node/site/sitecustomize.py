@@ -150,15 +150,20 @@ def _serve_accelerate_on_cpu() -> None:
 
 class _Pinned:
     """A meta path finder that answers `name` with the spec it had before the script's folder (or, for
-    `python -m`, the working directory) went first on sys.path: a folder named like it there (a user's
-    `crew/` outputs) would otherwise be imported as an empty namespace package in place of an editable
-    install, which Python's path finder asks only after every sys.path entry."""
+    `python -m`, the working directory) went first on sys.path, where sys.path now has only a folder of that
+    name (a user's `crew/` outputs): Python would import it as an empty namespace package in place of an
+    editable install, whose finder it asks only after every sys.path entry. A real package there still wins."""
 
     def __init__(self, spec) -> None:
         self.spec = spec
 
     def find_spec(self, name, path=None, target=None):
-        return self.spec if name == self.spec.name else None
+        if name != self.spec.name:
+            return None
+        import importlib.machinery
+
+        found = importlib.machinery.PathFinder.find_spec(name, path)
+        return None if found is not None and found.origin is not None else self.spec
 
 
 def _pin(name: str) -> None:
