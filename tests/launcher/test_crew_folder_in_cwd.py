@@ -20,9 +20,11 @@ SCRIPT = """
 """
 
 
-@pytest.mark.parametrize("contents", ["empty", "files"])
+@pytest.mark.parametrize("contents", ["empty", "files", "own package"])
 def test_a_crew_folder_in_the_working_directory_is_not_imported(tmp_path, contents):
     (tmp_path / "crew").mkdir()
+    if contents == "own package":  # a real package of the user's: Python's choice, as without crew
+        (tmp_path / "crew" / "__init__.py").write_text("")
     if contents == "files":
         (tmp_path / "crew" / "run1").mkdir()
         (tmp_path / "crew" / "run1" / "loss.csv").write_text("step,loss\n1,2.0\n")
@@ -32,5 +34,6 @@ def test_a_crew_folder_in_the_working_directory_is_not_imported(tmp_path, conten
     command = [str(Path(sys.executable).parent / "crew"), "run", "--num_gpus", "2", "--as_deepspeed", "train.py"]
     run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert run.returncode == 0, run.stderr
+    expected = tmp_path / "crew" / "__init__.py" if contents == "own package" else installed.__file__
     for rank in (0, 1):
-        assert f"rank {rank} crew from {installed.__file__}" in run.stdout
+        assert f"rank {rank} crew from {expected}" in run.stdout
