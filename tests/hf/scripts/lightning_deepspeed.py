@@ -82,6 +82,13 @@ class Regressor(pl.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self.net(x), y), sync_dist=True)
+
+    def test_dataloader(self):
+        return DataLoader(data(), batch_size=MICRO_BATCH)
+
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
@@ -135,9 +142,29 @@ def run_case(case):
     resumed = trainer(case, 2, [second])
     resumed.fit(Regressor(), ckpt_path=path)
     engine = resumed.strategy.deepspeed_engine
-    return {"steps": first.steps + second.steps, "global_step": resumed.global_step,
-            "engine": type(engine).__name__, "saved": sorted(os.listdir(path)),
-            "tag": sorted(os.listdir(os.path.join(path, "checkpoint")))}
+    result = {"steps": first.steps + second.steps, "global_step": resumed.global_step,
+              "engine": type(engine).__name__, "saved": sorted(os.listdir(path)),
+              "tag": sorted(os.listdir(os.path.join(path, "checkpoint")))}
+    if case == "deepspeed_stage_3":
+        result.update(evaluate(path))
+    return result
+
+
+def evaluate(path):
+    """ZeRO-3 evaluation, from the checkpoint into a fresh module (an inference engine), and on a module that
+    a fit's engine sharded (crew shards once: a clear error)."""
+    tested = pl.Trainer(accelerator=CPUAsCUDA(), devices=2, strategy="deepspeed_stage_3", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.out)
+    return {"test_loss": attempt(lambda: tested.test(Regressor(), ckpt_path=path, verbose=False)[0]["test_loss"]),
+            "test_again": attempt(lambda: tested.test(tested.lightning_module, verbose=False)[0]["test_loss"])}
+
+
+def attempt(call):
+    """The call's value, or its error as text (the same script runs under DeepSpeed, which fails elsewhere)."""
+    try:
+        return call()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
 
 
 class FabricCPUAsCUDA(FabricCUDAAccelerator):
