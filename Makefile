@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo test install gpu-check
+.PHONY: demo test install gpu-check ds-unit
 
 install: $(VENV)/.installed
 
@@ -30,3 +30,9 @@ test: install
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# DeepSpeed's own unit tests (tests/unit/ of a DeepSpeed checkout, DS_SRC) against crew's `deepspeed` shim; not
+# part of `make test`, which never fetches DeepSpeed. DS_UNIT_ARGS: e.g. --reference /opt/dsvenv/bin/python.
+ds-unit: install
+	@test -n "$(DS_SRC)" || { echo "make ds-unit DS_SRC=path/to/DeepSpeed (a source checkout)"; exit 2; }
+	$(PY) tools/deepspeed_unit_tests.py $(DS_SRC) $(DS_UNIT_ARGS)

@@ -23,6 +23,8 @@ from crew.runtime.comm import init_distributed
 # (shim/deepspeed-<version>.dist-info), which importlib.metadata reads before `import deepspeed`.
 DEEPSPEED_API_VERSION = "0.19.8"
 __version__ = f"{DEEPSPEED_API_VERSION}+crew.{_crew_version}"
+__version_major__, __version_minor__, __version_patch__ = map(int, DEEPSPEED_API_VERSION.split("."))
+__git_hash__ = __git_branch__ = "[none]"  # DeepSpeed's value when it was not built from a git checkout
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 __all__ = ["ConfigError", "CrewError", "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine",

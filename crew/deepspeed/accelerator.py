@@ -35,7 +35,11 @@ class Accelerator:
         return f"cuda:{torch.cuda.current_device()}" if self._cuda else "cpu"
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._cuda else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        """On the CPU, DeepSpeed's count is LOCAL_SIZE (its launcher's ranks on this node); torchrun's
+        LOCAL_WORLD_SIZE where only that is set."""
+        if self._cuda:
+            return torch.cuda.device_count()
+        return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
 
     def is_available(self) -> bool:
         return torch.cuda.is_available() if self._cuda else True
@@ -103,3 +107,8 @@ def _resident_bytes() -> int:
 @functools.cache
 def get_accelerator() -> Accelerator:
     return Accelerator(cuda=torch.cuda.is_available() and torch.cuda.device_count() > 0)
+
+
+def is_current_accelerator_supported() -> bool:
+    """DeepSpeed's check that the accelerator is one it knows: crew's two (cuda, cpu) always are."""
+    return get_accelerator().device_name() in ("cuda", "cpu")

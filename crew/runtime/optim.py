@@ -235,7 +235,8 @@ class OneCycle(_Schedule):
     cycle_min_lr and betas = (cycle_min_mom, 0.99); beta2 is forced to 0.99; the post-cycle momentum
     "decay" grows beta1 (past 1 if run long enough); an optimizer without `betas` (SGD) keeps its
     momentum, with a warning. Departure from 0.19.1, where stair counts did nothing: a stair count > 0
-    holds lr and momentum flat on that many stairs per half cycle (DeepSpeed PR #8179).
+    holds lr and momentum flat on that many stairs per half cycle (DeepSpeed PR #8179). The lrs and
+    momenta are one number or a list of one per param group, as in DeepSpeed 0.19.8.
     """
 
     def __init__(self, optimizer: Any, cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0.0,
@@ -254,15 +255,15 @@ class OneCycle(_Schedule):
         self.first_stair_count = _integer("cycle_first_stair_count", cycle_first_stair_count)
         self.second_stair_count = _integer("cycle_second_stair_count", second_stairs)
         self.decay_step_size = _number("decay_step_size", decay_step_size)
-        self.min_lrs = [_number("cycle_min_lr", cycle_min_lr)] * self._groups()
-        self.max_lrs = [_number("cycle_max_lr", cycle_max_lr)] * self._groups()
+        self.min_lrs = _per_group("cycle_min_lr", cycle_min_lr, self._groups())
+        self.max_lrs = _per_group("cycle_max_lr", cycle_max_lr, self._groups())
         self.decay_lr_rate = _number("decay_lr_rate", decay_lr_rate, minimum=-math.inf)
         self.decay_mom_rate = _number("decay_mom_rate", decay_mom_rate, minimum=-math.inf)
         no_decay = math.isclose(self.decay_step_size, 0)
         self.skip_lr_decay = no_decay or math.isclose(self.decay_lr_rate, 0)
         self.skip_mom_decay = no_decay or math.isclose(self.decay_mom_rate, 0)
-        self.min_moms = [(_number("cycle_min_mom", cycle_min_mom), 0.99)] * self._groups()
-        self.max_moms = [(_number("cycle_max_mom", cycle_max_mom), 0.99)] * self._groups()
+        self.min_moms = [(mom, 0.99) for mom in _per_group("cycle_min_mom", cycle_min_mom, self._groups())]
+        self.max_moms = [(mom, 0.99) for mom in _per_group("cycle_max_mom", cycle_max_mom, self._groups())]
         self.cycle_momentum = _flag("scheduler.params.cycle_momentum", cycle_momentum)
         if self.cycle_momentum and "betas" not in self.optimizer.defaults:
             logger.warning("OneCycle: cycle_momentum is off because %s has no 'betas'; DeepSpeed cycles only "
