@@ -174,13 +174,13 @@ class DeepSpeedAccessors:
     def get_global_grad_norm(self) -> torch.Tensor | None:
         """The total L2 norm of the gradients before clipping at the last accumulation boundary,
         unscaled under fp16, the same on every rank; inf when fp16 overflowed; None before the
-        first boundary step. A 0-dim fp32 CPU tensor, as DeepSpeed's ZeRO optimizers return it
-        (`float(norm)` and `norm.item()` both work), at every stage."""
+        first boundary step. A 0-dim CPU tensor (`float(norm)` and `norm.item()` both work), at every
+        stage: fp32 as DeepSpeed's ZeRO 1-2 optimizers return it, fp64 at stage 3 as DeepSpeed 0.19.8's."""
         norm = self._global_grad_norm
         if norm is not None and (norm.device.type != "cpu" or hasattr(norm, "full_tensor")):
-            if hasattr(norm, "full_tensor"):  # a DTensor at ZeRO stages 2-3
+            if hasattr(norm, "full_tensor"):  # a DTensor
                 norm = norm.full_tensor()
-            norm = self._global_grad_norm = norm.detach().float().cpu()
+            norm = self._global_grad_norm = norm.detach().cpu()
         return norm
 
     def was_step_applied(self) -> bool:
@@ -203,7 +203,7 @@ class DeepSpeedAccessors:
         norm = gradnorm.global_norm(grads, self.device, across_ranks=self.zero.partitioned and self.world_size > 1)
         if max_norm > 0:
             gradnorm.clip_(grads, max_norm, norm)
-        self._global_grad_norm = norm.float()
+        self._global_grad_norm = norm if self.zero.shards_params else norm.float()
         self._step_applied = True
 
     def _record_skipped_step(self) -> None:

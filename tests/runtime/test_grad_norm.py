@@ -74,8 +74,10 @@ def test_the_norm_is_the_float64_norm_on_every_rank_and_clips_by_it(ranks, stage
     exact = gradient(dtype).double().norm()
     for seen in ranks:
         norm, moved = seen[(stage, kind)]
-        assert norm.dtype == torch.float32 and norm.dim() == 0
-        assert norm.item() == pytest.approx(exact.item(), rel=1e-7)
+        # DeepSpeed 0.19.8 returns fp32 at stages 1-2 and fp64 at stage 3 (measured: 1.3415250778198242 and
+        # 1.3415251065766858 for this gradient on 2 CPU ranks; the float32 sum gives 1.3415131568908691)
+        assert norm.dtype == (torch.float64 if stage == 3 else torch.float32) and norm.dim() == 0
+        assert norm.item() == pytest.approx(exact.item(), rel=1e-12 if stage == 3 else 1e-7)
         clipped = (gradient(dtype).double() / (exact + 1e-6)).float()
         # the weights' precision; fp16 has subnormals below 6e-5
         rtol, atol = {torch.bfloat16: (1e-2, 1e-9), torch.float16: (1e-3, 1e-7)}.get(dtype, (1e-6, 1e-9))
