@@ -1,12 +1,12 @@
-"""TRL's GRPOTrainer and DPOTrainer at ZeRO-2 and ZeRO-3, crew against real DeepSpeed 0.19.8, 2 CPU ranks.
+"""TRL's GRPOTrainer, RLOOTrainer and DPOTrainer at ZeRO-2 and 3, crew against real DeepSpeed 0.19.8, 2 CPU ranks.
 
     .venv/bin/python benchmarks/trl_compare.py [--deepspeed_python /opt/dsvenv/bin/python] [--steps 4]
-        [--runs grpo-zero2,dpo-zero2,grpo-zero3,grpo-nogather-zero3,dpo-zero3]
+        [--runs grpo-zero2,dpo-zero2,grpo-zero3,grpo-nogather-zero3,dpo-zero3,rloo-zero2,rloo-zero3]
 
 One unchanged script (tests/hf/scripts/trl_zero.py: a tiny GPT-2 and word-level tokenizer written by the script,
 fp32, micro batch 2, GRPO with a reference model (beta 0.1) and 2 generations of up to 6 tokens per prompt,
-DPO with the reference model TRL builds; grpo-nogather is GRPO with ds3_gather_for_generation=False) runs every
-trainer in one launch per engine:
+DPO with the reference model TRL builds; grpo-nogather is GRPO with ds3_gather_for_generation=False; rloo is
+RLOOTrainer, GRPO's settings) runs every trainer in one launch per engine:
 * crew:      crew run --as_deepspeed --num_gpus 2 trl_zero.py OUT --runs ... --steps N
 * DeepSpeed: DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node 2 _trl_ds_entry.py trl_zero.py ...
   (DeepSpeed's launcher wants GPUs; _trl_ds_entry.py gives Accelerate's state the 2 launched ranks, as crew
@@ -32,8 +32,8 @@ from _jobs import run_job  # beside this script: on its sys.path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SCRIPT = REPO / "tests" / "hf" / "scripts" / "trl_zero.py"
-RUNS = "grpo-zero2,dpo-zero2,grpo-zero3,grpo-nogather-zero3,dpo-zero3"
-LOSS_BOUND = 1e-6  # fp32, the same seeds and data: measured bit for bit identical
+RUNS = "grpo-zero2,dpo-zero2,grpo-zero3,grpo-nogather-zero3,dpo-zero3,rloo-zero2,rloo-zero3"
+LOSS_BOUND = 1e-5  # fp32, same seeds and data: bit for bit but for RLOO at ZeRO-2 (5e-7 of a loss near 0)
 
 
 def launch(name: str, command: list[str], out: Path, env: dict, args: argparse.Namespace) -> tuple[dict, float]:

@@ -1,9 +1,9 @@
 """TRL's trainers at ZeRO-3 (and their frozen reference models below it) under `crew run --as_deepspeed`,
-2 ranks: one job (scripts/trl_zero.py) runs GRPOTrainer with a reference model (beta 0.1) at ZeRO-2, at ZeRO-3
-with TRL's default ds3_gather_for_generation=True (generation inside GatheredParameters with the ZeRO-3 hooks
-removed and added back through `engine.optimizer.parameter_offload`) and with it False, and DPOTrainer at
-ZeRO-2 (its reference model a frozen-model engine at stage 0) and ZeRO-3; each for 2 steps, then save_model and
-from_pretrained. The tests read what each rank wrote and the job's output."""
+2 ranks: one job (scripts/trl_zero.py) runs GRPOTrainer with a reference model (beta 0.1) at ZeRO-3 with TRL's
+default ds3_gather_for_generation=True (generation inside GatheredParameters with the ZeRO-3 hooks removed and
+added back through `engine.optimizer.parameter_offload`, checked once more after training) and with it False,
+and DPOTrainer at ZeRO-2 (its reference model a frozen-model engine at stage 0) and ZeRO-3; each for 2 steps,
+then save_model and from_pretrained. The tests read what each rank wrote and the job's output."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytest.importorskip("datasets", reason="the TRL test needs datasets (the test ex
 from conftest import REPO, crew  # noqa: E402
 
 SCRIPT = REPO / "tests" / "hf" / "scripts" / "trl_zero.py"
-RUNS = ("grpo-zero2", "dpo-zero2", "grpo-zero3", "grpo-nogather-zero3", "dpo-zero3")
+RUNS = ("dpo-zero2", "grpo-zero3", "grpo-nogather-zero3", "dpo-zero3")  # GRPO at ZeRO-2: benchmarks/trl_compare.py
 
 # The same script (same tiny GPT-2, tokenizer, data, seeds) under real DeepSpeed 0.19.8 on 2 CPU ranks:
 #   DS_ACCELERATOR=cpu /opt/dsvenv/bin/python -m torch.distributed.run --nproc_per_node 2 \
@@ -56,6 +56,15 @@ def test_trl_trainer_gives_deepspeeds_losses_and_rewards_saves_and_reloads(job, 
     # after training at ZeRO-3 every parameter is partitioned again (generation resharded what it gathered)
     zero3 = label.endswith("zero3")
     assert result["status_after"] == (["ZeroParamStatus.NOT_AVAILABLE"] if zero3 else ["None"])
+
+
+def test_trls_gathered_generation_keeps_the_model_whole_then_partitions_it_again(job):
+    # unwrap_model_for_generation at ZeRO-3 (TRL's default): GatheredParameters over the model, remove_hooks,
+    # generate, add_hooks. Under DeepSpeed the parameters stay whole through every forward of the generation;
+    # under crew every FSDP2 unit stays unsharded (a unit resharded after its forward would show a DTensor).
+    result = job[0][0]["grpo-zero3"]
+    assert result["whole_while_generating"] is True
+    assert result["status_after_generating"] == ["ZeroParamStatus.NOT_AVAILABLE"]
 
 
 def test_trls_dotted_config_keys_are_silent_and_no_crew_line_is_repeated(job):

@@ -59,8 +59,42 @@ def every_stage(rank: int, **extra) -> dict:
     return {stage: train(rank, stage, **extra) for stage in range(4)}
 
 
-def test_stages_1_2_3_give_stage_0s_losses_and_weights_with_accumulation_and_clipping():
-    ranks = run_ranks(every_stage, WORLD)
+def frozen_model_made_with(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def frozen_engines(rank: int) -> dict:
+    """A model with no trainable parameter and no optimizer at each stage, as TRL's prepare_deepspeed builds
+    its reference/reward/teacher models (`deepspeed.initialize(model=frozen, config=...)`, stage forced to 0
+    below ZeRO-3): DeepSpeed accepts it, broadcasts rank 0's weights and runs its forward."""
+    import crew
+
+    inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(7))
+    seen = {}
+    for stage in range(4):
+        model = frozen_model_made_with(seed=rank)  # different weights on each rank: the engine uses rank 0's
+        model.requires_grad_(False)
+        engine, optimizer, _, scheduler = crew.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}})
+        engine.eval()
+        with torch.no_grad():
+            seen[stage] = {"out": engine(inputs), "optimizer": (optimizer, engine.optimizer, scheduler),
+                           "training": engine.training}
+    return seen
+
+
+def every_stage_and_frozen(rank: int) -> tuple[dict, dict]:
+    return every_stage(rank), frozen_engines(rank)
+
+
+@pytest.fixture(scope="module")
+def stages_job() -> list[tuple[dict, dict]]:
+    return run_ranks(every_stage_and_frozen, WORLD)
+
+
+def test_stages_1_2_3_give_stage_0s_losses_and_weights_with_accumulation_and_clipping(stages_job):
+    ranks = [trained for trained, _ in stages_job]
     base = ranks[0][0]
     assert base["steps"] == STEPS and base["losses"][-1] < base["losses"][0]
     for stage in (1, 2, 3):
@@ -73,6 +107,19 @@ def test_stages_1_2_3_give_stage_0s_losses_and_weights_with_accumulation_and_cli
     assert ranks[0][2]["optimizer"] == "PartitionedOptimizer"
     assert set(ranks[0][3]["sharded"]) == {"DTensor"}
     assert set(ranks[0][0]["sharded"]) == set(ranks[0][2]["sharded"]) == {"Parameter"}  # whole at stage 2
+
+
+def test_a_frozen_model_without_optimizer_runs_at_every_stage_with_rank_0s_weights(stages_job):
+    inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = frozen_model_made_with(seed=0)(inputs)
+    for rank, (_, seen) in enumerate(stages_job):
+        for stage in range(4):
+            torch.testing.assert_close(seen[stage]["out"], expected, rtol=0, atol=1e-6,
+                                       msg=f"rank {rank}, stage {stage}")
+            assert seen[stage]["training"] is False
+        # DeepSpeed builds a stand-in ZeRO optimizer at stages 1-3; at stage 0 in fp32 there is none
+        assert seen[0]["optimizer"] == (None, None, None)
 
 
 def low_precision(rank: int) -> dict:

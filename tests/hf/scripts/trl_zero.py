@@ -1,9 +1,9 @@
 # TRL's online and offline trainers in the shape of TRL's DeepSpeed examples: GRPOTrainer (with a reference
 # model, beta > 0, generation inside unwrap_model_for_generation, TRL's default ds3_gather_for_generation=True
-# and False) and DPOTrainer (its reference model built by TRL from the model's path, then prepare_deepspeed:
-# a frozen-model engine at stage 0 below ZeRO-3 and sharded at ZeRO-3), one after another in this process, at
-# each ZeRO stage given (--runs NAME-zeroSTAGE,...). The model and tokenizer are tiny and written here by
-# rank 0 (no download).
+# and False), RLOOTrainer (the same generation path, --runs rloo-zeroS) and DPOTrainer (its reference model
+# built by TRL from the model's path, then prepare_deepspeed: a frozen-model engine at stage 0 below ZeRO-3 and
+# sharded at ZeRO-3), one after another in this process, at each ZeRO stage given (--runs NAME-zeroSTAGE,...).
+# The model and tokenizer are tiny and written here by rank 0 (no download).
 # Runs unchanged under `crew run --as_deepspeed` and under real DeepSpeed (torchrun), so that
 # benchmarks/trl_compare.py can put the two side by side. Each rank writes <out>/result<rank>.json:
 # per run, the logged losses and rewards per step, the wall time, how far the weights moved, and
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -78,6 +78,12 @@ def grpo(stage, folder, base, gather):
     return GRPOTrainer(model=base, reward_funcs=reward_short_words, args=args, train_dataset=data)
 
 
+def rloo(stage, folder, base):
+    args = RLOOConfig(**common(stage, folder), num_generations=2, max_completion_length=6, beta=0.1)
+    data = Dataset.from_dict({"prompt": sentences(32, 3, 1)})
+    return RLOOTrainer(model=base, reward_funcs=reward_short_words, args=args, train_dataset=data)
+
+
 def dpo(stage, folder, base):
     args = DPOConfig(**common(stage, folder), max_length=24, beta=0.1)
     data = Dataset.from_dict({"prompt": sentences(32, 3, 2), "chosen": sentences(32, 4, 3),
@@ -92,10 +98,21 @@ def weights(model):
         return {name: p.detach().float().clone() for name, p in model.named_parameters()}
 
 
+def whole_while_generating(trainer):
+    """TRL's generation context at ZeRO-3 (gathered): after a generate() inside it, is every parameter of the
+    model still whole (nothing resharded between the forwards)?"""
+    from torch.distributed.tensor import DTensor
+    from trl.models.utils import unwrap_model_for_generation
+    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
+        unwrapped.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False)
+        return not any(isinstance(p, DTensor) or p.numel() == 0 for p in unwrapped.parameters())
+
+
 def run(label, base):
     name, stage = label.rsplit("-zero", 1)
     stage, folder = int(stage), f"{cli.out}/{label}"
-    trainer = (dpo(stage, folder, base) if name == "dpo" else grpo(stage, folder, base, name == "grpo"))
+    trainer = (dpo(stage, folder, base) if name == "dpo" else rloo(stage, folder, base) if name == "rloo"
+               else grpo(stage, folder, base, name == "grpo"))
     before = weights(trainer.model)
     started = time.perf_counter()
     trainer.train()
@@ -109,6 +126,9 @@ def run(label, base):
               "moved": max((after[n] - before[n]).abs().max().item() for n in after),
               "ref_model": type(getattr(trainer, "ref_model", None)).__name__,
               "status_after": sorted({str(getattr(p, "ds_status", None)) for p in trainer.model.parameters()})}
+    if label == "grpo-zero3":
+        result["whole_while_generating"] = whole_while_generating(trainer)
+        result["status_after_generating"] = sorted({str(p.ds_status) for p in trainer.model.parameters()})
     saved = weights(AutoModelForCausalLM.from_pretrained(f"{folder}/final"))  # under zero.Init at ZeRO-3
     result["saved_diff"] = max((saved[n] - after[n]).abs().max().item() for n in after)
     return result
