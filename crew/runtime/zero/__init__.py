@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from crew.errors import ConfigError, CrewError
+from crew.errors import ConfigError
 from crew.log import log_rank0
-from crew.runtime.zero import hsdp, partition_parameters, stage3
+from crew.runtime.zero import adopt, hsdp, partition_parameters, stage3
 from crew.runtime.zero.gather import GatheredParameters
 from crew.runtime.zero.partition_parameters import (Init, ZeroParamStatus, ZeroParamType,
                                                     register_external_parameter, unregister_external_parameter)
@@ -109,10 +109,14 @@ class Zero:
     def shard(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
         """Stage 3: fully_shard the model's units and its root, in place (stage3.py). Returns {id(old
         param): new}, so that parameter lists taken before sharding can be pointed at the new ones."""
-        _refuse_sharded_twice(model)
         self._sharded = model
-        return stage3.shard(model, hsdp.mesh(self.device, self.world_size, self.shard_group), self.device,
-                            self.wrap_rule, compute_dtype, self.offload, self.stage)
+        if adopt.is_sharded(model):  # an earlier engine's (Lightning's fit, then test): taken as it is
+            adopt.restore_hooks(model)
+            return {}
+        replaced = stage3.shard(model, hsdp.mesh(self.device, self.world_size, self.shard_group), self.device,
+                                self.wrap_rule, compute_dtype, self.offload, self.stage)
+        adopt.remember_hooks(model)
+        return replaced
 
     @staticmethod
     def refuse_meta(model: torch.nn.Module) -> None:
@@ -171,19 +175,6 @@ class Zero:
         """Around a backward: at stage 2 its gradients are averaged into their owners, and on the
         accumulation boundary become the owned parameters' .grad."""
         return self.grads.reducing(boundary) if self.grads is not None else contextlib.nullcontext()
-
-
-def _refuse_sharded_twice(model: torch.nn.Module) -> None:
-    """FSDP2 shards a module once: a second stage-3 engine on the same model object (DeepSpeed re-partitions
-    it) would fail deep in torch."""
-    from torch.distributed.fsdp import FSDPModule
-    if isinstance(model, FSDPModule):  # crew's stage 3 always shards the root
-        name = type(model).__name__.removeprefix("FSDP")
-        raise CrewError(
-            f"deepspeed.initialize at ZeRO stage 3 got a model ({name}) that an earlier stage-3 engine already "
-            "sharded; crew shards a model once. Give the new engine a fresh model (load the "
-            "checkpoint into it), e.g. with Lightning, trainer.test(MyModule(), ckpt_path=...) instead of "
-            "trainer.test(model) after trainer.fit(model).")
 
 
 def _stepping_for(client: torch.optim.Optimizer, replacement: torch.optim.Optimizer) -> torch.optim.Optimizer:

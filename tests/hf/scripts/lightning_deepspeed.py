@@ -140,23 +140,25 @@ def run_case(case):
     if not by_callback:
         fit.save_checkpoint(path)
     resumed = trainer(case, 2, [second])
-    resumed.fit(Regressor(), ckpt_path=path)
+    model = Regressor()
+    resumed.fit(model, ckpt_path=path)
     engine = resumed.strategy.deepspeed_engine
     result = {"steps": first.steps + second.steps, "global_step": resumed.global_step,
               "engine": type(engine).__name__, "saved": sorted(os.listdir(path)),
               "tag": sorted(os.listdir(os.path.join(path, "checkpoint")))}
     if case == "deepspeed_stage_3":
-        result.update(evaluate(path))
+        result.update(evaluate(path, resumed, model))
     return result
 
 
-def evaluate(path):
-    """ZeRO-3 evaluation, from the checkpoint into a fresh module (an inference engine), and on a module that
-    a fit's engine sharded (crew shards once: a clear error)."""
+def evaluate(path, fitted, model):
+    """ZeRO-3 evaluation (a second, inference engine): of the module the fit trained, with the fit's Trainer,
+    and of a fresh module loaded from the checkpoint."""
     tested = pl.Trainer(accelerator=CPUAsCUDA(), devices=2, strategy="deepspeed_stage_3", logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.out)
-    return {"test_loss": attempt(lambda: tested.test(Regressor(), ckpt_path=path, verbose=False)[0]["test_loss"]),
-            "test_again": attempt(lambda: tested.test(tested.lightning_module, verbose=False)[0]["test_loss"])}
+    return {"test_after_fit": attempt(lambda: fitted.test(model, verbose=False)[0]["test_loss"]),
+            "test_from_checkpoint": attempt(
+                lambda: tested.test(Regressor(), ckpt_path=path, verbose=False)[0]["test_loss"])}
 
 
 def attempt(call):
