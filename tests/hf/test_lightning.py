@@ -1,8 +1,9 @@
 """Lightning's DeepSpeedStrategy on crew's engine (`crew run --as_deepspeed`, 2 ranks on the CPU): one job
 (scripts/lightning_deepspeed.py) fits `deepspeed_stage_1`, `_2`, `_3` and `DeepSpeedStrategy(config=<file>)`
 for one epoch, saves (trainer.save_checkpoint or ModelCheckpoint), resumes in a fresh Trainer with
-fit(ckpt_path=...) for a second epoch; every rank's loss and lr at each step must be a one-process plain
-torch run's, which is what an uninterrupted run gives."""
+fit(ckpt_path=...) for a second epoch; then Fabric's ZeRO-2 with fabric.save/load. Every rank's loss and lr
+at each step must be a one-process plain torch run's, which is what an uninterrupted run gives; at stage 3,
+trainer.test after the fit and from the checkpoint must give the torch run's loss over all samples."""
 
 from __future__ import annotations
 

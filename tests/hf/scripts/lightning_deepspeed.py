@@ -2,7 +2,8 @@
 # ZeRO-3 builds it under deepspeed.zero.Init; configure_optimizers returns an optimizer and a per-step
 # scheduler), Trainer(strategy="deepspeed_stage_N" or DeepSpeedStrategy(config=...), devices=2). Each case
 # fits one epoch (3 steps) and saves (trainer.save_checkpoint, or ModelCheckpoint), then a fresh Trainer
-# resumes with fit(ckpt_path=...) for a second epoch. Rank 0 writes every rank's per-step losses and lrs.
+# resumes with fit(ckpt_path=...) for a second epoch; at stage 3 also trainer.test, after the fit and from the
+# checkpoint. Then Fabric's DeepSpeed strategy (fabric_case). Rank 0 writes every rank's losses and lrs.
 #
 # Lightning refuses DeepSpeed on its CPU accelerator (DeepSpeedStrategy.setup_environment wants a
 # CUDAAccelerator, under real DeepSpeed too), so the ranks run on a CUDAAccelerator that keeps them on the
