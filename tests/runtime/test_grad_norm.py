@@ -8,6 +8,8 @@ step clips by DeepSpeed's coefficient gradient_clipping / (norm + 1e-6).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from dist import run_ranks
@@ -17,6 +19,7 @@ CASES = [(0, None), (1, None), (2, None), (3, None), (1, "bf16"), (3, "bf16"), (
          (3, "offload")]
 
 
+@functools.cache  # read only
 def gradient(dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Same on every rank, so the ranks' average is exactly it; small positive values, where float32
     accumulation drifts."""
