@@ -1,12 +1,13 @@
 """TRL's GRPOTrainer, RLOOTrainer and DPOTrainer at ZeRO-2 and 3, crew against real DeepSpeed 0.19.8, 2 CPU ranks.
 
     .venv/bin/python benchmarks/trl_compare.py [--deepspeed_python /opt/dsvenv/bin/python] [--steps 4]
-        [--runs grpo-zero2,dpo-zero2,grpo-zero3,grpo-nogather-zero3,dpo-zero3,rloo-zero2,rloo-zero3]
+        [--runs grpo-zero2,dpo-zero2,grpo-zero3,grpo-nogather-zero3,dpo-zero3,rloo-zero2,rloo-zero3,dpo-sync-zero3]
 
 One unchanged script (tests/hf/scripts/trl_zero.py: a tiny GPT-2 and word-level tokenizer written by the script,
 fp32, micro batch 2, GRPO with a reference model (beta 0.1) and 2 generations of up to 6 tokens per prompt,
 DPO with the reference model TRL builds; grpo-nogather is GRPO with ds3_gather_for_generation=False; rloo is
-RLOOTrainer, GRPO's settings) runs every trainer in one launch per engine:
+RLOOTrainer, GRPO's settings; dpo-sync is DPO with sync_ref_model, the reference mixed with the policy after every
+step under GatheredParameters(modifier_rank=0)) runs every trainer in one launch per engine:
 * crew:      crew run --as_deepspeed --num_gpus 2 trl_zero.py OUT --runs ... --steps N
 * DeepSpeed: DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node 2 _trl_ds_entry.py trl_zero.py ...
   (DeepSpeed's launcher wants GPUs; _trl_ds_entry.py gives Accelerate's state the 2 launched ranks, as crew
@@ -32,8 +33,10 @@ from _jobs import run_job  # beside this script: on its sys.path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SCRIPT = REPO / "tests" / "hf" / "scripts" / "trl_zero.py"
-RUNS = "grpo-zero2,dpo-zero2,grpo-zero3,grpo-nogather-zero3,dpo-zero3,rloo-zero2,rloo-zero3"
-LOSS_BOUND = 1e-5  # fp32, same seeds and data: bit for bit but for RLOO at ZeRO-2 (5e-7 of a loss near 0)
+RUNS = "grpo-zero2,dpo-zero2,grpo-zero3,grpo-nogather-zero3,dpo-zero3,rloo-zero2,rloo-zero3,dpo-sync-zero3"
+# fp32, same seeds and data: bit for bit but RLOO at ZeRO-2, where the clipped grad norm (about 10) differs in
+# its 7th digit and the losses near 0 drift by a few 1e-7 absolute. The issue's bound for the HF scripts.
+LOSS_BOUND = 1e-4
 
 
 def launch(name: str, command: list[str], out: Path, env: dict, args: argparse.Namespace) -> tuple[dict, float]:
@@ -42,8 +45,11 @@ def launch(name: str, command: list[str], out: Path, env: dict, args: argparse.N
     proc = run_job(full, cwd=REPO, env=env, timeout=args.timeout)
     wall = time.perf_counter() - started
     result = out / "result0.json"
-    if proc.returncode or not result.exists():
+    if not (result.exists() and (out / "result1.json").exists()):
         sys.exit(f"{name} failed with code {proc.returncode}: {' '.join(full)}\n{(proc.stdout + proc.stderr)[-4000:]}")
+    if proc.returncode:  # after both ranks wrote their results: gloo can abort a rank at interpreter exit
+        print(f"note: {name} exited with code {proc.returncode} after both ranks had written their results "
+              f"({(proc.stdout + proc.stderr).strip().splitlines()[-1][:120]})")
     return json.loads(result.read_text()), wall
 
 
@@ -62,11 +68,14 @@ def table(crew: dict, deepspeed: dict) -> float:
             worst = max(worst, rel(a, b))
             print(f"{label:<22} {step:>4} {a:>15.10f} {b:>15.10f} {rel(a, b):>9.1e}")
     print(f"\n{'trainer':<22} {'DeepSpeed train s':>17} {'crew train s':>12} {'DS saved diff':>13} "
-          f"{'crew saved diff':>15} {'moved equal':>11}")
+          f"{'crew saved diff':>15} {'moved equal':>11} {'grad norm rel diff':>18}")
     for label, mine in crew.items():
         theirs = deepspeed[label]
+        norms = [rel(a, b) for a, b in zip(theirs.get("grad_norms", []), mine.get("grad_norms", []))
+                 if a is not None and b is not None]
         print(f"{label:<22} {theirs['seconds']:>17.2f} {mine['seconds']:>12.2f} {theirs['saved_diff']:>13.1e} "
-              f"{mine['saved_diff']:>15.1e} {str(theirs['moved'] == mine['moved']):>11}")
+              f"{mine['saved_diff']:>15.1e} {str(theirs['moved'] == mine['moved']):>11} "
+              f"{max(norms, default=float('nan')):>18.1e}")
     return worst
 
 

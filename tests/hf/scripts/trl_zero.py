@@ -2,7 +2,9 @@
 # model, beta > 0, generation inside unwrap_model_for_generation, TRL's default ds3_gather_for_generation=True
 # and False), RLOOTrainer (the same generation path, --runs rloo-zeroS) and DPOTrainer (its reference model
 # built by TRL from the model's path, then prepare_deepspeed: a frozen-model engine at stage 0 below ZeRO-3 and
-# sharded at ZeRO-3), one after another in this process, at each ZeRO stage given (--runs NAME-zeroSTAGE,...).
+# sharded at ZeRO-3; dpo-sync: TRL's sync_ref_model, the reference mixed with the policy after every step
+# under GatheredParameters(modifier_rank=0)), one after another in this process, at each ZeRO stage given
+# (--runs NAME-zeroSTAGE,...).
 # The model and tokenizer are tiny and written here by rank 0 (no download).
 # Runs unchanged under `crew run --as_deepspeed` and under real DeepSpeed (torchrun), so that
 # benchmarks/trl_compare.py can put the two side by side. Each rank writes <out>/result<rank>.json:
@@ -84,8 +86,9 @@ def rloo(stage, folder, base):
     return RLOOTrainer(model=base, reward_funcs=reward_short_words, args=args, train_dataset=data)
 
 
-def dpo(stage, folder, base):
-    args = DPOConfig(**common(stage, folder), max_length=24, beta=0.1)
+def dpo(stage, folder, base, sync=False):
+    extra = dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5) if sync else {}
+    args = DPOConfig(**common(stage, folder), max_length=24, beta=0.1, **extra)
     data = Dataset.from_dict({"prompt": sentences(32, 3, 2), "chosen": sentences(32, 4, 3),
                               "rejected": sentences(32, 4, 4)})
     return DPOTrainer(model=base, args=args, train_dataset=data)
@@ -111,7 +114,8 @@ def whole_while_generating(trainer):
 def run(label, base):
     name, stage = label.rsplit("-zero", 1)
     stage, folder = int(stage), f"{cli.out}/{label}"
-    trainer = (dpo(stage, folder, base) if name == "dpo" else rloo(stage, folder, base) if name == "rloo"
+    trainer = (dpo(stage, folder, base, sync=name == "dpo-sync") if name.startswith("dpo")
+               else rloo(stage, folder, base) if name == "rloo"
                else grpo(stage, folder, base, name == "grpo"))
     before = weights(trainer.model)
     started = time.perf_counter()
@@ -122,7 +126,9 @@ def run(label, base):
     dist.barrier()  # rank 0 writes it
     history = [h for h in trainer.state.log_history if "loss" in h]
     result = {"losses": [h["loss"] for h in history], "seconds": seconds,
-              "rewards": [h.get("reward") for h in history], "margins": [h.get("rewards/margins") for h in history],
+              "rewards": [h.get("reward") for h in history],
+              "grad_norms": [h.get("grad_norm") for h in history],
+              "margins": [h.get("rewards/margins") for h in history],
               "moved": max((after[n] - before[n]).abs().max().item() for n in after),
               "ref_model": type(getattr(trainer, "ref_model", None)).__name__,
               "status_after": sorted({str(getattr(p, "ds_status", None)) for p in trainer.model.parameters()})}
