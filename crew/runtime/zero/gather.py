@@ -29,6 +29,7 @@ from crew.runtime.zero import partition_parameters as pp
 from crew.runtime.zero.partition_parameters import ZeroParamStatus
 
 _WHOLE = "_crew_whole"
+WHOLE = _WHOLE  # the attribute that holds a viewed shard's whole tensor (parameter_offload.py shares it)
 
 
 class GatheredParameters:

@@ -7,7 +7,8 @@ and adds them back (`param_coordinator._invalidate_trace()`, `_register_deepspee
 the whole model stays gathered through every forward of the generation instead of being fetched and
 released module by module. On FSDP2 those hooks are the units' unshard-before / reshard-after forward:
 removing them unshards every unit and keeps it whole; registering them again reshards every unit and
-turns resharding after forward back on. The names are DeepSpeed 0.19.8's (runtime/zero/parameter_offload.py,
+turns resharding after forward back on. While the units are whole, GatheredParameters' copies of the shards
+share the units' tensors, so the model is whole once on a rank, not twice. The names are DeepSpeed 0.19.8's (runtime/zero/parameter_offload.py,
 partitioned_param_coordinator.py).
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 from enum import Enum
 
 import torch
+
+from crew.runtime.zero import gather, stage3
 
 
 class ZeRoTraceMode(Enum):
@@ -76,6 +79,7 @@ class DeepSpeedZeRoOffload:
         if module is self.module and not self.param_coordinator.is_invalid_trace():
             self.param_coordinator._invalidate_trace()
         for unit in _units(module):
+            _own_copies(unit)
             unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
         if module is self.module:
@@ -93,6 +97,31 @@ class DeepSpeedZeRoOffload:
             for unit in _units(self.module):
                 unit.unshard()
                 unit.set_reshard_after_forward(False, recurse=False)
+                _share_unsharded(unit)
+
+
+def _share_unsharded(unit: torch.nn.Module) -> None:
+    """Inside GatheredParameters (as TRL removes the hooks) each shard is seen whole through a copy made on
+    entering it: once the unit is unsharded, that copy gives way to the unit's own whole tensor (the same
+    values), so a rank holds the model whole once while generating, as under DeepSpeed, not twice."""
+    for fsdp_param in stage3.fsdp_params(unit):
+        shard, whole = fsdp_param.sharded_param, getattr(fsdp_param, "_unsharded_param", None)
+        copy = shard.__dict__.get(gather.WHOLE)
+        if whole is not None and copy is not None and (copy.shape, copy.dtype, copy.device) == (
+                whole.shape, whole.dtype, whole.device):
+            shard.__dict__[gather.WHOLE] = whole.detach()
+            shard.__dict__[_SHARED] = True
+
+
+def _own_copies(unit: torch.nn.Module) -> None:
+    """Before the unit reshards (which frees its whole tensors): a view still open gets its own copy back."""
+    for fsdp_param in stage3.fsdp_params(unit):
+        shard = fsdp_param.sharded_param
+        if shard.__dict__.pop(_SHARED, False) and gather.WHOLE in shard.__dict__:
+            shard.__dict__[gather.WHOLE] = shard.__dict__[gather.WHOLE].clone()
+
+
+_SHARED = "_crew_whole_is_the_units"
 
 
 def _units(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -128,18 +128,23 @@ def _tag_whole_in_forward(model: torch.nn.Module) -> None:
             module.register_forward_pre_hook(_tag_unsharded)  # after FSDP2's own, which unshards
 
 
+def fsdp_params(unit: torch.nn.Module) -> list:
+    """FSDP2's records of a unit's parameters (each: the shard `sharded_param`, the whole `_unsharded_param`)."""
+    return [fsdp_param for group in getattr(unit._get_fsdp_state(), "_fsdp_param_groups", ())
+            for fsdp_param in getattr(group, "fsdp_params", ())]
+
+
 def _tag_unsharded(module: torch.nn.Module, args) -> None:
-    for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
-        for fsdp_param in getattr(group, "fsdp_params", ()):
-            whole = getattr(fsdp_param, "_unsharded_param", None)
-            if whole is None or "ds_status" in whole.__dict__:
-                continue
-            shard_param = fsdp_param.sharded_param
-            for name in ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_compute_dtype"):
-                if hasattr(shard_param, name):
-                    setattr(whole, name, getattr(shard_param, name))
-            whole.ds_active_sub_modules = set()
-            whole.ds_status = pp.ZeroParamStatus.AVAILABLE
+    for fsdp_param in fsdp_params(module):
+        whole = getattr(fsdp_param, "_unsharded_param", None)
+        if whole is None or "ds_status" in whole.__dict__:
+            continue
+        shard_param = fsdp_param.sharded_param
+        for name in ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_compute_dtype"):
+            if hasattr(shard_param, name):
+                setattr(whole, name, getattr(shard_param, name))
+        whole.ds_active_sub_modules = set()
+        whole.ds_status = pp.ZeroParamStatus.AVAILABLE
 
 
 # -- state_dict() ------------------------------------------------------------------------------
