@@ -1,7 +1,7 @@
 """What running DeepSpeed's own unit tests against crew (tools/deepspeed_unit_tests.py) showed missing, in
 crew's words: the op builders scripts ask for availability, the build record (deepspeed.git_version_info,
 deepspeed.__version_major__...), DeepSpeed's config and schedule constants, the CPU accelerator's device
-count from LOCAL_SIZE, and OneCycle's per-param-group lists.
+count from LOCAL_SIZE, OneCycle's per-param-group lists, and MoE param groups of a model without experts.
 
 One process with crew's shim first on sys.path checks them all, as a script run under --as_deepspeed sees them.
 """
@@ -21,6 +21,7 @@ SCRIPT = """
     import deepspeed
     from deepspeed.accelerator import get_accelerator, is_current_accelerator_supported
     from deepspeed.git_version_info import installed_ops, torch_info
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split_moe
     from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder, FusedLambBuilder
     from deepspeed.runtime.config import ADAM_OPTIMIZER, DEEPSPEED_OPTIMIZERS
     from deepspeed.runtime.lr_schedules import (CYCLE_FIRST_STEP_SIZE, CYCLE_MAX_LR, CYCLE_MAX_MOM, CYCLE_MIN_LR,
@@ -33,6 +34,8 @@ SCRIPT = """
            "git": [deepspeed.__git_hash__, deepspeed.__git_branch__], "torch_info": torch_info,
            "installed": any(installed_ops.values()), "supported": is_current_accelerator_supported(),
            "names": [ADAM_OPTIMIZER, ADAM_OPTIMIZER in DEEPSPEED_OPTIMIZERS, CYCLE_MIN_LR, WARMUP_MAX_LR]}
+    group = {"params": [torch.nn.Parameter(torch.zeros(1))], "name": "parameters"}
+    out["moe_groups"] = [split_moe(group) == [group], split_moe((group,)) == [group]]
     try:
         FusedAdamBuilder().load()
     except deepspeed.CrewError as error:
@@ -72,6 +75,7 @@ def test_names_deepspeed_unit_tests_reach(tmp_path):
     assert not out["installed"] and out["supported"]
     assert out["names"] == ["adam", True, "cycle_min_lr", "warmup_max_lr"]
     assert out["count"] == [3, 2]
+    assert out["moe_groups"] == [True, True]  # a model without experts: DeepSpeed's MoE recipe passes it through
     # per-group lists: each group follows the schedule it would follow alone with its own numbers
     for group in range(2):
         assert [step[group] for step in out["lists"]] == [step[0] for step in out["alone"][group]]

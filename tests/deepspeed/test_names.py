@@ -338,7 +338,9 @@ SCRIPT = """
     from deepspeed.runtime.utils import set_random_seed, see_memory_usage
     print(deepspeed.checkpointing.__name__, deepspeed.ops.adam.FusedAdam is FusedAdam, deepspeed.log_dist is log_dist)
     try:
-        split_params_into_different_moe_groups_for_optimizer([])
+        expert = __import__("torch").nn.Parameter(__import__("torch").zeros(1))
+        expert.allreduce = False  # how DeepSpeed's MoE layers mark an expert's parameters
+        split_params_into_different_moe_groups_for_optimizer({"params": [expert], "name": "g"})
     except deepspeed.CrewError as error:
         print(error)
     try:
