@@ -183,7 +183,7 @@ def run_file(python: str, staged: Path, rel: str, shim: bool, args) -> dict:
         out, _ = proc.communicate()
     tests = parse_junit(xml) if xml.is_file() else parse_verbose(out)
     result = {"file": rel, "seconds": round(time.monotonic() - started, 1), "timed_out": timed_out,
-              "counts": {k: sum(t["outcome"] == k for t in tests) for k in OUTCOMES}, "tests": tests}
+              "complete": xml.is_file(), "counts": {k: sum(t["outcome"] == k for t in tests) for k in OUTCOMES}, "tests": tests}
     if not tests:
         result["note"] = ANSI.sub("", out).strip().splitlines()[-5:] if out.strip() else ["no output"]
     return result
@@ -200,8 +200,6 @@ def parse_junit(xml: Path) -> list[dict]:
                 outcome = {"failure": "failed"}.get(tag, tag)
                 message = first_line(node)
                 break
-        if outcome == "skipped" and case.find("skipped").get("type") == "pytest.xfail":
-            outcome = "skipped"
         tests.append({"name": name, "outcome": outcome, "message": message})
     return tests
 
@@ -233,7 +231,9 @@ def cell(result: dict | None) -> str:
         return "-"
     c = result["counts"]
     text = f"{c['passed']}/{c['failed']}/{c['skipped']}/{c['error']}"
-    return text + (" T/O" if result["timed_out"] else "") + ("" if result["tests"] else " (none)")
+    if not result.get("complete", True):  # killed: only what its verbose lines said before
+        text += " T/O" if result["timed_out"] else " killed"
+    return text + ("" if result["tests"] else " (none)")
 
 
 def table(files: list[str], crew: dict, ref: dict) -> str:
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through run_file's cleanup of its pytest
 
-    files = args.files or DEFAULT_FILES
+    files = [f.removeprefix("tests/").removeprefix("unit/") for f in args.files] or DEFAULT_FILES
     tests = tests_dir(args.ds_src.resolve())
     missing = [f for f in files if not (tests / "unit" / f).exists()]
     if missing:
