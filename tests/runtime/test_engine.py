@@ -142,7 +142,7 @@ def test_config_scheduler_steps_once_per_optimizer_step():
     assert lrs[1::2] == sorted(lrs[1::2]) and lrs[-1] > lrs[1]
 
 
-def test_client_optimizer_and_callable_and_conflicts():
+def test_client_optimizer_and_callable_and_model_only():
     import crew
 
     model = make_model()
@@ -154,8 +154,10 @@ def test_client_optimizer_and_callable_and_conflicts():
         model=make_model(), optimizer=lambda params: torch.optim.SGD(params, lr=0.2),
         config=no_optimizer)
     assert isinstance(optimizer, torch.optim.SGD) and engine.get_lr() == [0.2]
-    with pytest.raises(crew.ConfigError, match="both to initialize"):
-        crew.initialize(model=make_model(), optimizer=mine, config=config(4, 1, 0.0))
+    both = make_model()  # a client optimizer beside the config's section: the client's, as DeepSpeed (UER-py)
+    theirs = torch.optim.SGD(both.parameters(), lr=0.3)
+    engine, optimizer, _, _ = crew.initialize(model=both, optimizer=theirs, config=config(4, 1, 0.0))
+    assert optimizer is theirs and engine.get_lr() == [0.3]
     engine, optimizer, _, _ = crew.initialize(model=make_model(), config=no_optimizer)  # model only, as DeepSpeed
     assert optimizer is None and engine.optimizer is None
 
