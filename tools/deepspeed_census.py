@@ -322,7 +322,7 @@ def scan_file(text: str, modules: DeepSpeedModules) -> list[tuple[str, int]]:
 
 def census(libraries: dict, modules: DeepSpeedModules) -> list[dict]:
     uses: dict[str, set[str]] = defaultdict(set)
-    for lib, (_, files) in libraries.items():
+    for _, files in libraries.values():
         for path, text in files.items():
             for name, line in scan_file(text, modules):
                 uses[name].add(f"{path}:{line}")
@@ -355,7 +355,7 @@ def print_candidates(libraries: dict, ds_src: pathlib.Path) -> None:
     import torch
     defined -= set(dir(torch.nn.Module)) | set(dir(torch.optim.Optimizer)) | set(dir(torch.Tensor))
     counts: dict[str, list[str]] = defaultdict(list)
-    for lib, (_, files) in libraries.items():
+    for _, files in libraries.values():
         for path, text in files.items():
             if "deepspeed" not in text.lower():
                 continue
@@ -385,7 +385,7 @@ def markdown(names: list[dict], versions: dict, verdicts: dict) -> str:
         "Kinds: `module` (`import deepspeed.X`), `name` (`from deepspeed.X import Y`, `deepspeed.X.Y`), "
         "`attribute` (read on a DeepSpeed engine, ZeRO optimizer, parameter or module; the owner and the "
         "ZeRO stages at which DeepSpeed has it are given). crew: **provided** (imported, or found on a real "
-        "crew engine at those stages), **refused** (the error crew raises), **in progress (issue 31)**, "
+        "crew engine at those stages), **refused** (the error crew raises) "
         "or **missing**. \"In DeepSpeed 0.19.8\": imported, or found on a real DeepSpeed engine at those stages "
         "(tools/deepspeed_reference.py, run with DeepSpeed's own python on one CPU rank).",
         "",

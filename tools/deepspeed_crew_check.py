@@ -54,11 +54,6 @@ REFUSED = {
     # not in DeepSpeed 0.19.8 either: ESMFold catches the AttributeError (crew's is one) and goes on
     "deepspeed.utils.is_initialized": "is not supported by crew",
 }
-# Names other helpers of issue 31 are adding; the census marks them "in progress" while still missing, and the
-# test lets them fail as expected failures, naming them.
-IN_PROGRESS = {".parameter_offload", ".param_coordinator", ".forward_hooks", ".backward_hooks",  # TRL's ZeRO-3
-               ".ds_status", ".ds_external_parameters", ".ds_active_sub_modules", "._register_deepspeed_module"}
-
 
 def check_all(names: list[dict]) -> dict[str, tuple[str, str]]:
     """name -> (verdict, detail) for every census entry; joins a one-process group for the engines."""
@@ -67,7 +62,7 @@ def check_all(names: list[dict]) -> dict[str, tuple[str, str]]:
     if attributes:
         _join_world_of_one()
         verdicts.update(check_attributes(attributes))
-    return {name: _with_plans(name, verdict) for name, verdict in verdicts.items()}
+    return verdicts
 
 
 def refusal_for(name: str) -> str | None:
@@ -76,16 +71,9 @@ def refusal_for(name: str) -> str | None:
     return REFUSED[max(keys, key=len)] if keys else None
 
 
-def _with_plans(name: str, verdict: tuple[str, str]) -> tuple[str, str]:
-    if verdict[0] == "missing" and name in IN_PROGRESS:
-        return "in progress", verdict[1]
-    return verdict
-
-
 def describe(verdict: tuple[str, str]) -> str:
     kind, detail = verdict
-    text = {"provided": "provided", "refused": "refused", "in progress": "in progress (issue 31)",
-            "missing": "**missing**"}[kind]
+    text = {"provided": "provided", "refused": "refused", "missing": "**missing**"}[kind]
     return f"{text}: {detail}".replace("|", "\\|").replace("\n", " ") if detail else text
 
 

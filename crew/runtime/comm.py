@@ -123,6 +123,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     return None
 
 
+def inference_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None):
+    """DeepSpeed's all-reduce for its inference kernels (a shared-memory path on its CPU backend): in place
+    and synchronous, as there."""
+    return all_reduce(tensor, op=op, group=group)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
     if dist.is_initialized():
         return dist.broadcast(tensor, src, group=group, async_op=async_op)

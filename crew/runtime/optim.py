@@ -326,7 +326,7 @@ class WarmupLR(_Schedule):
 
     Construction sets lr = warmup_min_lr and the first step() (it = 0) keeps it there. Departures from
     0.19.1: an omitted warmup_max_lr is each group's own lr (0.19.1 gave every group group 0's lr;
-    DeepSpeed PR #8171), and an unknown warmup_type is an error (0.19.1 quietly used "log").
+    DeepSpeed PR #8171). An unknown warmup_type warms up by "log" with a warning, as DeepSpeed 0.19.8.
     """
 
     def __init__(self, optimizer: Any, warmup_min_lr: float | list[float] = 0.0,
@@ -560,7 +560,10 @@ def _per_group(key: str, value: object, groups: int) -> list[Any]:
 
 
 def _warmup_type(value: object) -> str:
+    """'log' or 'linear'; anything else warns and warms up by 'log', as DeepSpeed 0.19.8 does."""
     if value not in ("log", "linear"):
         hint = _did_you_mean(value, ("log", "linear")) if isinstance(value, str) else ""
-        raise ConfigError(f"scheduler.params.warmup_type: expected 'log' or 'linear', got {value!r}.{hint}")
+        logger.warning("scheduler.params.warmup_type: expected 'log' or 'linear', got %r: warming up by 'log', "
+                       "as DeepSpeed does.%s", value, hint)
+        return "log"
     return value

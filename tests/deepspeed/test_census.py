@@ -108,10 +108,7 @@ def test_every_name_is_provided_or_refused_naming_it(census_rank):
             problems[name] = f"refused with an error that does not say {refusal!r} and name it: {detail}"
         elif verdict == "provided" and refusal is not None:
             problems[name] = "provided, yet REFUSED lists it: drop it from REFUSED"
-    unexpected = {name: why for name, why in problems.items() if name not in check.IN_PROGRESS}
-    assert not unexpected, "\n".join(f"{name}: {why}" for name, why in unexpected.items())
-    if problems:
-        pytest.xfail(f"in progress (issue 31): {sorted(problems)}")
+    assert not problems, "\n".join(f"{name}: {why}" for name, why in problems.items())
 
 
 def _names_it(name: str, message: str) -> bool:

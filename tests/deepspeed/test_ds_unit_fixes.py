@@ -1,7 +1,8 @@
 """What running DeepSpeed's own unit tests against crew (tools/deepspeed_unit_tests.py) showed missing, in
 crew's words: the op builders scripts ask for availability, the build record (deepspeed.git_version_info,
 deepspeed.__version_major__...), DeepSpeed's config and schedule constants, the CPU accelerator's device
-count from LOCAL_SIZE, OneCycle's per-param-group lists, and MoE param groups of a model without experts.
+count from LOCAL_SIZE, OneCycle's per-param-group lists, MoE param groups of a model without experts,
+deepspeed.comm.inference_all_reduce and deepspeed.utils.torch's version check.
 
 One process with crew's shim first on sys.path checks them all, as a script run under --as_deepspeed sees them.
 """
@@ -26,6 +27,7 @@ SCRIPT = """
     from deepspeed.runtime.config import ADAM_OPTIMIZER, DEEPSPEED_OPTIMIZERS
     from deepspeed.runtime.lr_schedules import (CYCLE_FIRST_STEP_SIZE, CYCLE_MAX_LR, CYCLE_MAX_MOM, CYCLE_MIN_LR,
                                                 CYCLE_MIN_MOM, WARMUP_MAX_LR, OneCycle)
+    from deepspeed.utils.torch import register_grad_hook, required_torch_version
 
     out = {"compatible": [deepspeed.ops.__compatible_ops__[b.NAME] for b in (FusedAdamBuilder, CPUAdamBuilder,
                                                                                FusedLambBuilder)],
@@ -36,6 +38,15 @@ SCRIPT = """
            "names": [ADAM_OPTIMIZER, ADAM_OPTIMIZER in DEEPSPEED_OPTIMIZERS, CYCLE_MIN_LR, WARMUP_MAX_LR]}
     group = {"params": [torch.nn.Parameter(torch.zeros(1))], "name": "parameters"}
     out["moe_groups"] = [split_moe(group) == [group], split_moe((group,)) == [group]]
+    major = int(torch.__version__.split(".")[0])
+    out["torch_version"] = [required_torch_version(min_version=major), required_torch_version(min_version=major + 1),
+                            required_torch_version(max_version=major - 1), required_torch_version(max_version=major + 1)]
+    seen = []
+    register_grad_hook(group["params"][0], lambda p: seen.append(p.grad.item()))
+    (group["params"][0] * 3).sum().backward()
+    ones = torch.ones(2)
+    deepspeed.comm.inference_all_reduce(ones)  # no process group: a world of one
+    out["hooks"] = [seen, ones.tolist()]
     try:
         FusedAdamBuilder().load()
     except deepspeed.CrewError as error:
@@ -76,6 +87,8 @@ def test_names_deepspeed_unit_tests_reach(tmp_path):
     assert out["names"] == ["adam", True, "cycle_min_lr", "warmup_max_lr"]
     assert out["count"] == [3, 2]
     assert out["moe_groups"] == [True, True]  # a model without experts: DeepSpeed's MoE recipe passes it through
+    assert out["torch_version"] == [True, False, False, True]
+    assert out["hooks"] == [[3.0], [1.0, 1.0]]
     # per-group lists: each group follows the schedule it would follow alone with its own numbers
     for group in range(2):
         assert [step[group] for step in out["lists"]] == [step[0] for step in out["alone"][group]]

@@ -344,7 +344,7 @@ def test_trls_dotted_keys_are_ignored_silently_and_a_warning_is_logged_once_per_
     assert len(record) == 2  # programs that record ConfigWarning still get every one
     assert [r.getMessage() for r in caplog.records] == ["<dict>: unknown key 'zero_optimisation_typo_once' is "
                                                         "ignored; did you mean 'zero_optimization'?"]
-    warnings.warn("shown?", ConfigWarning)  # the module's default filter: not displayed
+    warnings.warn("shown?", ConfigWarning, stacklevel=1)  # the module's default filter: not displayed
     assert "shown?" not in capsys.readouterr().err
 
 

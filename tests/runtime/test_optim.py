@@ -397,9 +397,6 @@ def test_torch_scheduler_fallback():
         ("WarmupDecayLR", {"warmup_num_steps": 10}, r"scheduler.params.total_num_steps: WarmupDecayLR requires it"),
         ("WarmupCosineLR", {}, r"scheduler.params.total_num_steps: WarmupCosineLR requires it"),
         ("OneCycle", {"cycle_max_lr": 0.1}, r"scheduler.params.cycle_min_lr: OneCycle requires it"),
-        ("WarmupLR", {"warmup_type": "cosine"},
-         r"scheduler.params.warmup_type: expected 'log' or 'linear', got 'cosine'"),
-        ("WarmupLR", {"warmup_type": "Linear"}, r"Did you mean 'linear'\?"),
         ("WarmupLR", {"warmup_max_lr": "auto"}, r"scheduler.params.warmup_max_lr: expected a number, got 'auto'"),
         ("WarmupLR", {"warmup_min_lr": -0.1}, r"scheduler.params.warmup_min_lr: expected a number >= 0.0, got -0.1"),
         ("WarmupLR", {"warmup_max_lr": [0.1, 0.2]}, r"scheduler.params.warmup_max_lr: got 2 values for 1 optimizer"),
@@ -424,6 +421,15 @@ def test_scheduler_errors(name, params, message):
     with pytest.raises(ConfigError, match=message):
         build_scheduler(name, params, make_optimizer())
     assert params == frozen
+
+
+@pytest.mark.parametrize(("kind", "hint"), [("cosine", ""), ("Linear", " Did you mean 'linear'?")])
+def test_an_unknown_warmup_type_warms_up_by_log_with_a_warning_as_deepspeed(kind, hint, caplog):
+    made = [build_scheduler("WarmupLR", {"warmup_type": kind, "warmup_num_steps": 4}, make_optimizer()),
+            build_scheduler("WarmupCosineLR", {"warmup_type": kind, "total_num_steps": 2000}, make_optimizer())]
+    assert [s.warmup_type for s in made] == ["log", "log"]
+    assert caplog.messages == [f"scheduler.params.warmup_type: expected 'log' or 'linear', got {kind!r}: warming "
+                               f"up by 'log', as DeepSpeed does.{hint}"] * 2
 
 
 # ----------------------------------------------------------------------------------------- optimizers

@@ -5,7 +5,8 @@ False is Adam with L2 weight decay added to the gradient, as in DeepSpeed; as th
 every param group, while lr, betas, eps and weight_decay are each group's own (Accelerate hands
 DeepSpeedCPUAdam another optimizer's param_groups). torch's fused kernel runs on CUDA (as the config's
 "Adam" does, crew/runtime/optim.py). bias_correction=False (per group, as DeepSpeed reads it) steps
-without the moments' bias corrections, as FusedAdam does (crew/runtime/adam.py). Unlike DeepSpeed's, DeepSpeedCPUAdam also steps parameters that are not on the CPU.
+without the moments' bias corrections, as FusedAdam does (crew/runtime/adam.py). Unlike DeepSpeed's,
+DeepSpeedCPUAdam also steps parameters that are not on the CPU.
 """
 
 from __future__ import annotations

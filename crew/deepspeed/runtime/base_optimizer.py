@@ -4,5 +4,5 @@ torch optimizers (torch.optim.Optimizer), so nothing is one; the class exists so
 work as under DeepSpeed 0.19.8, where it is an empty class too."""
 
 
-class DeepSpeedOptimizer(object):
+class DeepSpeedOptimizer:
     pass

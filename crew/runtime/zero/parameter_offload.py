@@ -8,8 +8,8 @@ the whole model stays gathered through every forward of the generation instead o
 released module by module. On FSDP2 those hooks are the units' unshard-before / reshard-after forward:
 removing them unshards every unit and keeps it whole; registering them again reshards every unit and
 turns resharding after forward back on. While the units are whole, GatheredParameters' copies of the shards
-share the units' tensors, so the model is whole once on a rank, not twice. The names are DeepSpeed 0.19.8's (runtime/zero/parameter_offload.py,
-partitioned_param_coordinator.py).
+share the units' tensors, so the model is whole once on a rank, not twice. The names are DeepSpeed 0.19.8's
+(runtime/zero/parameter_offload.py, partitioned_param_coordinator.py).
 """
 
 from __future__ import annotations

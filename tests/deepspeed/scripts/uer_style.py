@@ -84,7 +84,8 @@ def init_optimizer(model: torch.nn.Module):
 
 def config(stage: int) -> dict:
     """UER's models/deepspeed_config.json in fp32 (its optimizer section, zero_allow_untested_optimizer, the
-    legacy cpu_offload key, which DeepSpeed honours), with a scheduler section too: the client's scheduler must win over both."""
+    legacy cpu_offload key, which DeepSpeed honours), with a scheduler section too: the client's scheduler must
+    win over both."""
     zero = {"stage": stage, "contiguous_gradients": False, "overlap_comm": False, "reduce_scatter": False,
             "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}
     extra = {}
