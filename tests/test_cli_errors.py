@@ -112,11 +112,13 @@ def write_config(folder, name: str, data) -> str:
 
 def test_a_config_error_is_said_once_and_nothing_starts(here):
     write_script(here, "train.py", USES_CREW)
-    write_config(here, "ds.json", '{\n  "train_batch_size": 8,\n  "train_micro_batch_size_per_gpu": 2,\n}\n')
+    write_config(here, "ds.json", '{\n  "train_batch_size": 8,\n  "train_micro_batch_size_per_gpu": 2,,\n}\n')
     result = crew("run", "--num_gpus", "2", "train.py", "--deepspeed", "--deepspeed_config", "ds.json", cwd=here)
     assert result.code == 2
-    assert result.err == ("crew: error: ds.json, line 4, column 1: invalid JSON: Expecting property name enclosed "
-                          "in double quotes. Nothing was started (--skip_preflight starts without this check).\n")
+    assert result.err == ("crew: error: ds.json, line 3, column 39: invalid JSON: Expecting property name enclosed "
+                          "in double quotes; nor is it hjson (line 3, column 39: Found ',' where a key name was "
+                          "expected (check your syntax or use quotes if the key name includes {}[],: or whitespace))."
+                          " Nothing was started (--skip_preflight starts without this check).\n")
     assert not (here / "ran").exists()
 
 

@@ -559,10 +559,28 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(text, object_pairs_hook=lambda pairs: _no_duplicates(pairs, path))
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}, line {err.lineno}, column {err.colno}: invalid JSON: {err.msg}.") from None
+        message = f"{path}, line {err.lineno}, column {err.colno}: invalid JSON: {err.msg}"
+        if not text.strip():  # hjson reads an empty file as {}: surely a mistake
+            raise ConfigError(f"{message} (the file is empty).") from None
+        data = _read_hjson(text, path, message)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a JSON object {{...}}, got {_json_type(data)}.")
     return data
+
+
+def _read_hjson(text: str, path: Path, json_error: str) -> Any:
+    """DeepSpeed reads config files with hjson (comments, trailing commas, unquoted keys); so does crew when
+    the optional hjson package is installed."""
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError(f"{json_error}. DeepSpeed reads config files as hjson (comments, trailing commas): "
+                          "`pip install hjson` and crew does too, or make the file plain JSON.") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=lambda pairs: _no_duplicates(pairs, path))
+    except hjson.HjsonDecodeError as err:
+        raise ConfigError(f"{json_error}; nor is it hjson (line {err.lineno}, column {err.colno}: {err.msg}).") \
+            from None
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]], path: Path) -> dict[str, Any]:

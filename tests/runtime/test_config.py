@@ -7,6 +7,7 @@ import copy
 import itertools
 import logging
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -500,9 +501,9 @@ def test_load_config_refuses_other_types():
 
 
 @pytest.mark.parametrize("text, fragments", [
-    ('{\n  "train_batch_size": 8,\n  "fp16": {enabled: true}\n}', ["line 3, column 12", "invalid JSON"]),
-    ('{"train_batch_size": 8,}', ["line 1, column 24", "invalid JSON"]),
-    ("", ["line 1, column 1", "invalid JSON"]),
+    ('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true},,\n}', ["line 3, column 29", "invalid JSON",
+                                                                     "nor is it hjson (line 3, column 29"]),
+    ("", ["line 1, column 1", "invalid JSON", "the file is empty"]),
     ('{"train_batch_size": 8, "train_batch_size": 16}', ["'train_batch_size' appears twice"]),
     ('[{"train_batch_size": 8}]', ["must be a JSON object", "got a list"]),
 ])
@@ -515,6 +516,15 @@ def test_load_config_file_errors(tmp_path, text, fragments):
     for fragment in fragments:
         assert fragment in str(caught.value)
     assert caught.value.__cause__ is None
+
+
+def test_a_config_file_is_read_as_hjson_as_deepspeed_reads_it(tmp_path, monkeypatch):
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  // DeepSpeed reads hjson\n  "train_batch_size": 8,\n  "fp16": {enabled: true},\n}')
+    assert load_config(path, world_size=1).raw == {"train_batch_size": 8, "fp16": {"enabled": True}}
+    monkeypatch.setitem(sys.modules, "hjson", None)  # the optional package missing: the error says so
+    with pytest.raises(ConfigError, match=r"line 2, column 3: invalid JSON: .*`pip install hjson`"):
+        load_config(path, world_size=1)
 
 
 def test_load_config_missing_file(tmp_path):
