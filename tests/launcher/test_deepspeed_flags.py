@@ -259,7 +259,7 @@ def test_srun_gets_launcher_args_before_the_agent_and_sources_the_venv_in_sh(mon
     assert argv[-3:-1] == ["sh", "-c"]
     words = shlex.split(argv[-1])
     assert words[words.index(".") + 1] == "/opt/my env/bin/activate;"
-    head = ["python3", "-u", *runners.SAFE_PATH, "-m", runners.AGENT_MODULE]
+    head = ["python3", "-u", "-c", runners.entry(runners.AGENT_MODULE)]
     assert words[words.index("exec") + 1:words.index("exec") + 1 + len(head)] == head
     (plain,) = runners.slurm_launches(make_job(), "python3", [])
     assert "sh" not in plain.argv
@@ -348,10 +348,10 @@ def test_no_ssh_is_the_standalone_launcher_on_deepspeeds_port(here, capsys):
 def test_venv_script_keeps_deepspeeds_python_and_is_not_sourced_locally(here, capsys):
     code, data, _ = plan(capsys, here, "--venv_script", "env/bin/activate")
     remote = data["nodes"][0]["command"][-1]
-    flags = shlex.join(["-u", *runners.SAFE_PATH])
-    assert f". {here}/env/bin/activate; exec {shlex.quote(sys.executable)} {flags} -m " in remote
+    flags = shlex.join(["-u", "-c", runners.entry(runners.AGENT_MODULE)])
+    assert f". {here}/env/bin/activate; exec {shlex.quote(sys.executable)} {flags} " in remote
     code, data, _ = plan(capsys, here, "--venv_script", "env/bin/activate", "--python", "/opt/py")
-    assert f" /opt/py {flags} -m " in data["nodes"][0]["command"][-1]
+    assert f" /opt/py {flags} " in data["nodes"][0]["command"][-1]
     code, data, err = plan(capsys, here, "--venv_script", "env/bin/activate", hosts=None)
     assert data["nodes"][0]["command"][0] == sys.executable
     assert "--venv_script env/bin/activate not sourced: the local launcher" in err

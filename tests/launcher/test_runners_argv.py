@@ -71,7 +71,7 @@ def test_ssh_one_launch_per_node_with_own_port_and_rank():
         remote = shlex.split(argv[-1])
         assert remote[remote.index("--node_rank") + 1] == str(node_rank)
         assert remote[remote.index("--job") + 1] == "j0b1d"
-        assert remote[remote.index("-m") + 1] == AGENT_MODULE
+        assert remote[remote.index("-c") + 1] == runners.entry(AGENT_MODULE)
 
 
 def test_remote_command_shape():
@@ -79,7 +79,7 @@ def test_remote_command_shape():
     text = runners.remote_command("/usr/bin/python3", job, 1)
     assert shlex.split(text) == [
         "cd", "/data/my job;", "exec", "env", "PYTHONPATH=/src dir", "/usr/bin/python3", "-u",
-        *runners.SAFE_PATH, "-m", AGENT_MODULE, "--job", "j0b1d", "--node_rank", "1"]
+        "-c", runners.entry(AGENT_MODULE), "--job", "j0b1d", "--node_rank", "1"]
 
 
 def test_remote_command_without_pythonpath_sets_none():
@@ -133,7 +133,7 @@ def test_remote_command_is_shell_safe(tmp_path, marker, launcher, pdsh_installed
     got = json.loads(record.read_text())
     assert got["cwd"] == str(cwd)
     assert got["pythonpath"] == pythonpath
-    head = ["-u", *runners.SAFE_PATH, "-m", AGENT_MODULE, "--job", "j0b1d", "--node_rank", "0"]
+    head = ["-u", "-c", runners.entry(AGENT_MODULE), "--job", "j0b1d", "--node_rank", "0"]
     assert got["argv"][:len(head)] == head
     if launcher == "pdsh":
         spec = got["argv"][got["argv"].index("--spec_b64") + 1]
@@ -204,7 +204,7 @@ def test_pdsh_missing(monkeypatch):
 def test_local_launch_argv():
     job = make_job(hosts=("localhost",))
     (launch,) = runners.local_launches(job, "/py", 0)
-    assert launch.argv == ("/py", "-u", *runners.SAFE_PATH, "-m", AGENT_MODULE, "--job", "j0b1d", "--node_rank", "0")
+    assert launch.argv == ("/py", "-u", "-c", runners.entry(AGENT_MODULE), "--job", "j0b1d", "--node_rank", "0")
     assert launch.node_ranks == (0,)
     assert launch.label == "localhost"
 

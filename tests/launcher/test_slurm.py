@@ -334,7 +334,7 @@ def test_one_srun_for_every_node(monkeypatch):
     for option in ("--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=gpu01,gpu02",
                    "--kill-on-bad-exit=0", "--export=ALL", "--input=all", "--chdir=/work/dir", "--overlap"):
         assert option in argv
-    assert argv[argv.index("/opt/py"):] == ["/opt/py", "-u", *runners.SAFE_PATH, "-m", "crew.launcher.node.agent",
+    assert argv[argv.index("/opt/py"):] == ["/opt/py", "-u", "-c", runners.entry("crew.launcher.node.agent"),
                                             "--job", "j0b", "--node_rank", "slurm"]
     assert launch.spec_on_stdin and launch.kill_signal == signal.SIGTERM
     (probe,) = runners.slurm_launches(job(), "/opt/py", module="crew.launcher.preflight.probe")

@@ -12,7 +12,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,14 +76,17 @@ def start(launch: AgentLaunch) -> subprocess.Popen:
                             preexec_fn=lambda: die_with_parent(launch.kill_signal))
 
 
-# -P (Python 3.11+): `-m` would put the working directory first on sys.path, and a folder named `crew/` there
-# (a user's outputs) would be imported as an empty namespace package in place of an editable install.
-SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
+def entry(module: str) -> str:
+    """Python text that runs `module` as `-m` would, without the working directory first on sys.path: a
+    folder named `crew/` there (a user's outputs) would be imported as an empty namespace package in place
+    of an editable install. (-P does this from Python 3.11 only, and a node may run 3.10.)"""
+    return ("import runpy, sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
 
 
 def agent_argv(python: str, job: JobSpec, node_rank: int | str, *extra: str,
                module: str = AGENT_MODULE) -> list[str]:
-    return [python, "-u", *SAFE_PATH, "-m", module, "--job", job.job_id, "--node_rank", str(node_rank), *extra]
+    return [python, "-u", "-c", entry(module), "--job", job.job_id, "--node_rank", str(node_rank), *extra]
 
 
 def remote_command(python: str, job: JobSpec, node_rank: int | str, *extra: str,
