@@ -39,7 +39,8 @@ SCRIPT = """
     group = {"params": [torch.nn.Parameter(torch.zeros(1))], "name": "parameters"}
     out["moe_groups"] = [split_moe(group) == [group], split_moe((group,)) == [group]]
     major = int(torch.__version__.split(".")[0])
-    bounds = [{"min_version": major}, {"min_version": major + 1}, {"max_version": major - 1}, {"max_version": major + 1}]
+    bounds = [{"min_version": major}, {"min_version": major + 1}, {"max_version": major - 1},
+              {"max_version": major + 1}]
     out["torch_version"] = [required_torch_version(**bound) for bound in bounds]
     seen = []
     register_grad_hook(group["params"][0], lambda p: seen.append(p.grad.item()))
