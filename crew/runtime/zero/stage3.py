@@ -28,7 +28,7 @@ import torch
 
 from crew.errors import ConfigError, CrewError
 from crew.log import log_rank0
-from crew.runtime.zero import gather
+from crew.runtime.zero import external, gather
 from crew.runtime.zero import partition_parameters as pp
 
 
@@ -58,6 +58,7 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
         _mark_partitioned(param, ds_ids.get(name), compute_dtype)
     _see_whole_outside_forward(model)
     _tag_whole_in_forward(model)
+    external.fetch_on_access(model, units)
     for module in model.modules():
         module.ds_external_parameters = types.MethodType(_external_items, module)
     model.register_state_dict_post_hook(_placeholders)
