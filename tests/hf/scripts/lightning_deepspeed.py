@@ -33,20 +33,15 @@ args = parser.parse_args()
 SAMPLES, MICRO_BATCH, LR, CLIP = 24, 4, 0.05, 0.05  # 24 samples / (4 x 2 ranks): 3 steps an epoch
 
 
-class CPUAsCUDA(CUDAAccelerator):
-    """Lightning's CUDA accelerator with its devices on the CPU (the harness)."""
+class CPUDevices:
+    """The devices of a CUDA accelerator, on the CPU: the harness (Lightning refuses DeepSpeed on its CPU
+    accelerator, under DeepSpeed too)."""
 
     def setup_device(self, device):
         pass
 
-    def setup(self, trainer):
-        pass
-
     def teardown(self):
         pass
-
-    def get_device_stats(self, device):
-        return {}
 
     @staticmethod
     def parse_devices(devices):
@@ -59,6 +54,16 @@ class CPUAsCUDA(CUDAAccelerator):
     @staticmethod
     def is_available():
         return True
+
+
+class CPUAsCUDA(CPUDevices, CUDAAccelerator):
+    """Lightning's CUDA accelerator with its devices on the CPU (the harness)."""
+
+    def setup(self, trainer):
+        pass
+
+    def get_device_stats(self, device):
+        return {}
 
 
 def data():
@@ -170,26 +175,8 @@ def attempt(call):
         return f"{type(error).__name__}: {error}"
 
 
-class FabricCPUAsCUDA(FabricCUDAAccelerator):
+class FabricCPUAsCUDA(CPUDevices, FabricCUDAAccelerator):
     """The same harness for Fabric (its own accelerator classes)."""
-
-    def setup_device(self, device):
-        pass
-
-    def teardown(self):
-        pass
-
-    @staticmethod
-    def parse_devices(devices):
-        return list(range(devices))
-
-    @staticmethod
-    def get_parallel_devices(devices):
-        return [torch.device("cpu", index) for index in devices]
-
-    @staticmethod
-    def is_available():
-        return True
 
 
 def fabric_case():
