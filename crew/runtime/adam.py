@@ -24,6 +24,12 @@ class _BiasCorrection:
         param_group.setdefault("bias_correction", getattr(self, "_bias_correction", True))
         super().add_param_group(param_group)
 
+    def __setstate__(self, state: dict) -> None:
+        """load_state_dict of a state without the key (torch's Adam, a checkpoint from before it): corrected."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("bias_correction", True)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

@@ -5,6 +5,8 @@ through ZeRO's rebuild of the optimizer."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -75,3 +77,20 @@ def test_zero_rebuilds_it_with_bias_correction_off(stage):
     torch.testing.assert_close(engine.module.weight.detach().view(-1), deepspeed_uncorrected(True), rtol=1e-6,
                                atol=1e-7)
     engine.destroy()
+
+
+def test_a_state_saved_without_the_key_loads_and_steps_with_bias_correction():
+    """A torch Adam's state, or one saved before crew read bias_correction: its groups lack the key."""
+    param = torch.nn.Parameter(torch.ones(3))
+    saved = torch.optim.AdamW([param], lr=0.1)
+    param.grad = torch.ones(3)
+    saved.step()
+    reference = torch.optim.AdamW([torch.nn.Parameter(param.detach().clone())], lr=0.1)
+    reference.load_state_dict(copy.deepcopy(saved.state_dict()))  # each its own moments, as from a file
+    loaded = FusedAdam([param], lr=0.1)
+    loaded.load_state_dict(copy.deepcopy(saved.state_dict()))
+    assert loaded.param_groups[0]["bias_correction"] is True
+    for optimizer in (loaded, reference):
+        optimizer.param_groups[0]["params"][0].grad = torch.full((3,), 0.5)
+        optimizer.step()
+    torch.testing.assert_close(param, reference.param_groups[0]["params"][0], rtol=0, atol=0)
