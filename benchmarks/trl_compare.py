@@ -9,9 +9,10 @@ DPO with the reference model TRL builds; grpo-nogather is GRPO with ds3_gather_f
 RLOOTrainer, GRPO's settings; dpo-sync is DPO with sync_ref_model, the reference mixed with the policy after every
 step under GatheredParameters(modifier_rank=0)) runs every trainer in one launch per engine:
 * crew:      crew run --as_deepspeed --num_gpus 2 trl_zero.py OUT --runs ... --steps N
-* DeepSpeed: DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node 2 _trl_ds_entry.py trl_zero.py ...
-  (DeepSpeed's launcher wants GPUs; _trl_ds_entry.py gives Accelerate's state the 2 launched ranks, as crew
-  does under --as_deepspeed). Its first start on a machine builds a C++ op (about 30 s): it is run once
+* DeepSpeed: DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node 2 trl_zero.py ...
+  (DeepSpeed's launcher wants GPUs; crew's rank site on the ranks' path with CREW_DEEPSPEED_ON_CPU=1 gives
+  Accelerate's state the 2 launched ranks, as under --as_deepspeed, as benchmarks/zero3_compare.py does). Its first
+  start on a machine builds a C++ op (about 30 s): it is run once
   unmeasured first unless --no_warmup.
 Prints one table: per trainer and stage, the loss at each step for both engines, their largest relative
 difference, how far the saved model is from the trained weights, and the trainer's train() wall time (rank 0).
@@ -92,9 +93,10 @@ def main() -> None:
                  "deepspeed==0.19.8, transformers, trl, datasets)")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     crew_cmd = [sys.executable, "-m", "crew", "run", "--as_deepspeed", "--num_gpus", "2", str(SCRIPT)]
-    ds_cmd = [args.deepspeed_python, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-              str(HERE / "_trl_ds_entry.py"), str(SCRIPT)]
-    ds_env = {**env, "DS_ACCELERATOR": "cpu"}
+    ds_cmd = [args.deepspeed_python, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPT)]
+    site = HERE.parent / "crew" / "launcher" / "node" / "site"  # Accelerate gets gloo, as crew's ranks do
+    ds_env = {**env, "DS_ACCELERATOR": "cpu", "CREW_DEEPSPEED_ON_CPU": "1",
+              "PYTHONPATH": os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory(prefix="trl_compare_") as folder:
         if not args.no_warmup:
             warm = argparse.Namespace(**{**vars(args), "runs": args.runs.split(",")[0], "steps": 1})

@@ -21,8 +21,8 @@ SCRIPT = REPO / "tests" / "hf" / "scripts" / "trl_zero.py"
 RUNS = ("dpo-zero2", "grpo-zero3", "grpo-nogather-zero3", "dpo-zero3")  # GRPO at ZeRO-2: benchmarks/trl_compare.py
 
 # The same script (same tiny GPT-2, tokenizer, data, seeds) under real DeepSpeed 0.19.8 on 2 CPU ranks:
-#   DS_ACCELERATOR=cpu /opt/dsvenv/bin/python -m torch.distributed.run --nproc_per_node 2 \
-#       benchmarks/_trl_ds_entry.py tests/hf/scripts/trl_zero.py OUT
+#   DS_ACCELERATOR=cpu CREW_DEEPSPEED_ON_CPU=1 PYTHONPATH=crew/launcher/node/site \
+#       /opt/dsvenv/bin/python -m torch.distributed.run --nproc_per_node 2 tests/hf/scripts/trl_zero.py OUT
 # (benchmarks/trl_compare.py runs it): the losses, mean rewards (GRPO) and reward margins (DPO) it logged,
 # the same at every stage and in both gather modes, and on both ranks.
 DEEPSPEED = {
