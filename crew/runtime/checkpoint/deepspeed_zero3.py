@@ -1,0 +1,285 @@
+"""ZeRO stage 3 as DeepSpeed 0.19.8 saves it: this rank's part of zero_pp_rank_<R>_mp_rank_00_model_states.pt
+and its whole [bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt (saving.py names and writes the files).
+
+DeepSpeed's stage 3 (deepspeed/runtime/zero/stage3.py) splits each of the optimizer's param groups into sub
+groups of about `zero_optimization.sub_group_size` elements, flattens every parameter, pads it to a multiple of
+the world size and gives rank r the r-th 1/world of it. A rank's fp32_flat_groups[s] is its slice of each
+parameter of sub group s, one after the other; the base optimizer steps that flat tensor, so its state is keyed
+by sub-group index, each entry flat in the same layout (plus Adam's scalar `step`).
+
+crew's stage 3 is FSDP2: each parameter a DTensor sharded by rows (Shard(0)), whose pieces are not DeepSpeed's
+slices. So every parameter and every optimizer state tensor is gathered whole, one at a time
+(DTensor.full_tensor(), a collective that every rank calls in the same order), and this rank's slice is cut
+from it: no rank holds more than one parameter whole. Under bf16/fp16 the sharded fp32 parameters are the
+master weights; the module's placeholders and frozen fragments are in the 16-bit dtype, as DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import math
+
+import torch
+
+from crew.runtime.checkpoint.deepspeed_files import DynamicLossScaler, LossScaler, ZeroStageEnum
+from crew.runtime.checkpoint.layout import CheckpointError
+
+DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this is, as its files record it
+_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig.sub_group_size's default
+_FUSED_NAMES = ("adam", "adamw")  # config names for which DeepSpeed builds FusedAdam / DeepSpeedCPUAdam
+
+
+def zero3_model_states(engine, exclude_frozen: bool) -> dict:
+    """This rank's stage-3 keys of zero_pp_rank_<R>_mp_rank_00_model_states.pt as DeepSpeed 0.19.8 writes them:
+    module (parameters as DeepSpeed's empty placeholders, buffers whole), buffer_names, param_shapes,
+    frozen_param_shapes, frozen_param_fragments (this rank's partition), shared_params. The caller adds the
+    keys common to every stage. A collective (the frozen parameters are gathered one at a time)."""
+    module = engine.module
+    names = _param_names(module)
+    frozen = [(name, param) for param, name in names.items() if not _optimized(param)]
+    if exclude_frozen:
+        frozen_shapes = frozen_fragments = None
+    else:
+        frozen_shapes = collections.OrderedDict((name, param.shape) for name, param in frozen)
+        frozen_fragments = collections.OrderedDict(
+            (name, _partition(_whole(param), engine).to(_lp_dtype(engine, param))) for name, param in frozen)
+    return {
+        "module": _module_placeholders(engine, exclude_frozen),
+        "buffer_names": _buffer_names(module),
+        "param_shapes": [collections.OrderedDict((name, param.shape) for name, param in sub_group)
+                         for _, sub_group in _sub_groups(engine, names)],
+        "frozen_param_shapes": frozen_shapes,
+        "shared_params": _shared_params(module) if engine.global_rank == 0 else {},
+        "frozen_param_fragments": frozen_fragments,
+    }
+
+
+def zero3_optim_states(engine) -> dict:
+    """This rank's whole [bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt as DeepSpeed 0.19.8 writes it
+    (engine._save_zero_checkpoint around stage3.py's _rigid_state_dict). A collective."""
+    optimizer = engine.optimizer
+    sub_groups = _sub_groups(engine, _param_names(engine.module))
+    flat_weights = [_flat([engine.precision.master_of(param) for _, param in sub_group], engine)
+                    for _, sub_group in sub_groups]
+    fused = _deepspeed_builds_fused_adam(engine)
+    state = {}
+    for index, (_, sub_group) in enumerate(sub_groups):
+        entry = _flat_state(engine, [param for _, param in sub_group], fused)
+        if entry:
+            state[index] = entry
+    groups = []
+    for number, group in enumerate(optimizer.param_groups):
+        hyper = {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+        if fused:  # FusedAdam and DeepSpeedCPUAdam step with it; torch's AdamW, which crew runs, has none
+            hyper.setdefault("bias_correction", True)
+        groups.append({**hyper, "params": [index for index, (owner, _) in enumerate(sub_groups) if owner == number]})
+    scaler = _loss_scaler(engine)
+    return {
+        "optimizer_state_dict": {
+            "zero_stage": ZeroStageEnum.weights,
+            "loss_scaler": scaler,
+            "dynamic_loss_scale": scaler.dynamic,
+            "overflow": bool(getattr(optimizer, "overflow", False)),
+            "partition_count": engine.world_size,
+            "optimizer_state_dict": {"state": state, "param_groups": groups},
+            "fp32_flat_groups": flat_weights,
+        },
+        "ds_config": copy.deepcopy(engine.crew_config.raw),
+        "ds_version": DS_VERSION,
+    }
+
+
+# -- which parameters, in which sub group -------------------------------------------------------------
+
+def _param_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    """Each parameter's first name (a tied weight under the name it has first), as DeepSpeed's param_names."""
+    return {param: name for name, param in module.named_parameters()}
+
+
+def _optimized(param: torch.Tensor) -> bool:
+    """deepspeed.runtime.utils.is_optimized_parameter: trainable, with at least one element."""
+    return param.requires_grad and param.numel() > 0
+
+
+def _sub_groups(engine, names: dict) -> list[tuple[int, list[tuple[str, torch.nn.Parameter]]]]:
+    """(param group index, [(name, parameter)]) for each of DeepSpeed's sub groups, in its order
+    (stage3.py _get_trainable_parameter_groups, _create_fp16_sub_groups)."""
+    limit = int(float((engine.crew_config.raw.get("zero_optimization") or {}).get("sub_group_size",
+                                                                                   _SUB_GROUP_SIZE)))
+    out = []
+    for number, group in enumerate(engine.optimizer.param_groups):
+        params = [param for param in group["params"] if _optimized(param)]
+        unnamed = [tuple(param.shape) for param in params if param not in names]
+        if unnamed:
+            raise CheckpointError(f"the optimizer steps a tensor of shape {unnamed[0]} that is not a parameter of "
+                                  "the model: DeepSpeed's ZeRO-3 checkpoint names every tensor it saves by its "
+                                  "parameter name. Build the optimizer over model.parameters().")
+        sizes = [_part(param.numel(), engine.world_size) for param in params]
+        current, filled = [], 0
+        for param, size in zip(params, sizes, strict=True):
+            current.append((names[param], param))
+            filled += size
+            if (limit < sum(sizes) and filled >= limit) or param is params[-1]:
+                out.append((number, current))
+                current, filled = [], 0
+    return out
+
+
+# -- this rank's slices ----------------------------------------------------------------------------
+
+def _part(numel: int, world: int) -> int:
+    """A rank's share of a parameter padded to a multiple of the world size (DeepSpeed's partition_numel)."""
+    return math.ceil(numel / world)
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective), a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(value, DTensor):
+        return value.detach()
+    local = value.to_local()
+    if local.device.type != value.device_mesh.device_type:  # CPU offload: the shard is in host memory
+        value = DTensor.from_local(local.to(value.device_mesh.device_type), value.device_mesh, value.placements,
+                                   shape=value.shape, stride=value.stride())
+    return value.full_tensor().detach()
+
+
+def _partition(whole: torch.Tensor, engine, out: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's slice of `whole` flattened and padded (with zeros) to a multiple of the world size, on the
+    CPU; written into `out` when given."""
+    flat = whole.reshape(-1)
+    part = _part(flat.numel(), engine.world_size)
+    if out is None:
+        out = torch.zeros(part, dtype=whole.dtype)
+    start = min(engine.global_rank * part, flat.numel())
+    piece = flat[start:start + part]
+    out[:piece.numel()].copy_(piece)
+    return out
+
+
+def _flat(tensors: list[torch.Tensor], engine, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's slices of `tensors`, one after the other, in one flat CPU tensor; each gathered in turn."""
+    parts = [_part(tensor.numel(), engine.world_size) for tensor in tensors]
+    flat = torch.zeros(sum(parts), dtype=dtype or tensors[0].dtype)
+    offset = 0
+    for tensor, part in zip(tensors, parts, strict=True):
+        _partition(_whole(tensor), engine, flat[offset:offset + part])
+        offset += part
+    return flat
+
+
+def _flat_state(engine, params: list[torch.nn.Parameter], fused: bool) -> dict:
+    """One sub group's optimizer state as DeepSpeed's base optimizer holds it for the flat tensor: each of the
+    parameters' state tensors flat in fp32_flat_groups' layout, a scalar (Adam's step) once."""
+    entries = [engine.optimizer.state.get(param, {}) for param in params]
+    keys = list(dict.fromkeys(key for entry in entries for key in entry))
+    out = {}
+    for key in keys:
+        values = [entry.get(key) for entry in entries]
+        sample = next(value for value in values if value is not None)
+        if isinstance(sample, torch.Tensor) and sample.dim() > 0:
+            out[key] = _flat([_state_tensor(value, param, key) for value, param in zip(values, params, strict=True)],
+                             engine, sample.dtype)
+        elif key == "step" and fused:  # FusedAdam and DeepSpeedCPUAdam count steps in a Python int
+            out[key] = int(sample.item() if isinstance(sample, torch.Tensor) else sample)
+        else:
+            out[key] = sample.detach().clone().cpu() if isinstance(sample, torch.Tensor) else copy.deepcopy(sample)
+    return out
+
+
+def _state_tensor(value: torch.Tensor | None, param: torch.nn.Parameter, key: str) -> torch.Tensor:
+    if value is None:  # no state for this parameter yet (it has had no gradient): DeepSpeed's zeros
+        return torch.zeros(param.shape)
+    if value.shape != param.shape:
+        raise CheckpointError(
+            f"the optimizer's state '{key}' has shape {tuple(value.shape)} for a parameter of shape "
+            f"{tuple(param.shape)}: DeepSpeed's ZeRO-3 checkpoint holds optimizer state flat, element by element "
+            "with the weights, which this optimizer's state is not (a factored optimizer such as Adafactor). Save "
+            "at ZeRO stage 0-2, or use an element-wise optimizer (Adam, AdamW, SGD, Adagrad).")
+    return value
+
+
+# -- the module ------------------------------------------------------------------------------------
+
+def _lp_dtype(engine, param: torch.Tensor) -> torch.dtype:
+    """The dtype DeepSpeed keeps a parameter in: the 16-bit one under bf16/fp16."""
+    dtype = engine.precision.sharded_compute_dtype
+    return dtype if dtype is not None and param.is_floating_point() else param.dtype
+
+
+def _module_placeholders(engine, exclude_frozen: bool) -> collections.OrderedDict:
+    """module.state_dict() as DeepSpeed's stage 3 gives it: each parameter an empty tensor, buffers whole
+    (engine.module_state_dict: without the frozen parameters when asked)."""
+    module = engine.module
+    params = dict(module.named_parameters(remove_duplicate=False))
+    out = collections.OrderedDict()
+    for key, value in module.state_dict().items():
+        if key in params:
+            out[key] = torch.empty(0, dtype=_lp_dtype(engine, params[key]))
+        else:
+            out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+    if exclude_frozen:
+        for name, param in module.named_parameters():
+            if not param.requires_grad:
+                out.pop(name, None)
+    return out
+
+
+def _buffer_names(module: torch.nn.Module, prefix: str = "") -> list[str]:
+    """The persistent buffers' names, module by module (engine._get_buffer_names)."""
+    names = [prefix + name for name, buffer in module.named_buffers(recurse=False)
+             if buffer is not None and name not in module._non_persistent_buffers_set]
+    for name, child in module.named_children():
+        names += _buffer_names(child, prefix + name + ".")
+    return names
+
+
+def _shared_params(module: torch.nn.Module) -> dict[str, str]:
+    """{name not stored: name of the parameter holding it} for tied weights (engine._get_shared_params)."""
+    first: dict[int, str] = {}
+    shared = {}
+
+    def visit(owner: torch.nn.Module, prefix: str) -> None:
+        for name, param in owner.named_parameters(recurse=False):
+            key = getattr(param, "ds_id", id(param))
+            if key in first:
+                shared[prefix + name] = first[key]
+            else:
+                first[key] = prefix + name
+        for name, child in owner.named_children():
+            visit(child, prefix + name + ".")
+
+    visit(module, "")
+    return shared
+
+
+# -- the optimizer's surroundings ----------------------------------------------------------------------
+
+def _deepspeed_builds_fused_adam(engine) -> bool:
+    """Whether DeepSpeed builds FusedAdam (or, offloading, DeepSpeedCPUAdam) for this config's optimizer
+    (engine.py get_optimizer_configuration): "Adam"/"AdamW" without torch_adam, and no client optimizer."""
+    if getattr(engine, "_client_optimizer_name", None) is not None:  # the script's own optimizer
+        return False
+    section = engine.crew_config.raw.get("optimizer")
+    if not isinstance(section, dict) or str(section.get("type", "")).lower() not in _FUSED_NAMES:
+        return False
+    return not (section.get("params") or {}).get("torch_adam", False)
+
+
+def _loss_scaler(engine):
+    """DeepSpeed's loss scaler object (stand-ins that saving pickles under DeepSpeed's class names): fp16's
+    scale, and LossScaler(1.0) under bf16/fp32 as DeepSpeed's CreateLossScaler makes it."""
+    crew = getattr(engine.precision, "scaler", None)
+    if crew is None or not crew.dynamic:
+        scaler = LossScaler()
+        scaler.__dict__.update(cur_scale=float(crew.cur_scale) if crew is not None else 1.0, dynamic=False)
+        return scaler
+    scaler = DynamicLossScaler()
+    scaler.__dict__.update(
+        cur_scale=crew.cur_scale, dynamic=True, cur_iter=crew.cur_iter, last_overflow_iter=crew.last_overflow_iter,
+        scale_factor=crew.scale_factor, scale_window=crew.scale_window, min_scale=crew.min_scale,
+        delayed_shift=crew.delayed_shift, cur_hysteresis=crew.cur_hysteresis,
+        consecutive_hysteresis=crew.consecutive_hysteresis,
+        raise_error_at_min_scale=True, dtype=torch.float16)  # DeepSpeed's config cannot change it
+    return scaler

@@ -1,0 +1,277 @@
+"""crew's ZeRO-3 state as DeepSpeed 0.19.8's stage-3 files (crew/runtime/checkpoint/deepspeed_zero3.py): the same
+keys, shapes and dtypes as the files real DeepSpeed wrote for the same model, config and training
+(deepspeed_data/stage3_*), values within training noise of DeepSpeed's own, and, read back by crew's DeepSpeed
+reader, exactly the weights and optimizer state of crew's live engine. A second model has what the fixtures lack:
+a frozen parameter, a tied weight and sub groups (zero_optimization.sub_group_size).
+
+Real DeepSpeed loading these files and training on with crew's losses, and DeepSpeed's own zero_to_fp32.py on
+them: benchmarks/deepspeed_zero3_check.py (needs DeepSpeed; run by hand)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from dist import run_ranks
+
+from crew.runtime.checkpoint import deepspeed_files
+from crew.runtime.checkpoint.deepspeed_files import OPTIM_STATES, ZERO3_MODEL_STATES, read
+
+DATA = Path(__file__).parent / "deepspeed_data"
+EXPECTED = json.loads((DATA / "expected.json").read_text())
+_spec = importlib.util.spec_from_file_location("make_checkpoints", DATA / "make_checkpoints.py")
+made = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(made)
+
+CASES = ["stage3_fp32", "stage3_bf16", "stage3_bf16_groups"]
+ZERO3_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+              "shared_params")
+# crew trains the fixtures' model as DeepSpeed did (test_deepspeed_checkpoints.py: equal losses in fp32): its flat
+# partitions hold DeepSpeed's numbers to these bounds; a slice cut from the wrong place is off by 0.1 or more.
+VALUE_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+class TiedFrozen(torch.nn.Module):
+    """An embedding tied to the output layer, a frozen layer, and parameters whose sizes do not divide by 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 7)
+        self.frozen = torch.nn.Linear(7, 5)
+        self.frozen.requires_grad_(False)
+        self.mid = torch.nn.Linear(5, 7)
+        self.out = torch.nn.Linear(7, 11, bias=False)
+        self.out.weight = self.embed.weight
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.mid(self.frozen(self.embed(ids)))))
+
+
+TIED_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+               "optimizer": {"type": "Adam", "params": {"lr": 0.01}},  # DeepSpeed's FusedAdam on a CPU
+               "zero_optimization": {"stage": 3, "sub_group_size": 40}}
+
+
+def _train_fixture_case(name: str):
+    import crew
+    stage, precision, extra, grouped = made.CASES[name]
+    model = made.build_model(seed=0)
+    params = made.param_groups(model) if grouped else model.parameters()
+    engine, _, _, _ = crew.initialize(model=model, model_parameters=params, config=made.config(stage, precision, extra))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    for step in range(made.K_STEPS):
+        for micro_step in range(made.ACCUMULATION):
+            inputs, targets = made.batch(step, micro_step, rank, world)
+            engine.backward(made.loss_of(engine(inputs.to(dtype)), targets))
+            engine.step()
+    return engine
+
+
+def _train_tied():
+    import crew
+    torch.manual_seed(0)
+    engine, _, _, _ = crew.initialize(model=TiedFrozen(), config=TIED_CONFIG)
+    generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+    for _ in range(2):
+        ids = torch.randint(0, 11, (2, 3), generator=generator)
+        engine.backward(engine(ids).float().pow(2).mean())
+        engine.step()
+    return engine
+
+
+def _live(engine) -> tuple[dict, dict]:
+    """The engine's fp32 weights and optimizer state by parameter name, whole (collectives)."""
+    weights, state = {}, {}
+    for name, param in engine.module.named_parameters():
+        weights[name] = param.full_tensor().detach().clone()
+        entry = engine.optimizer.state.get(param)
+        if entry:
+            state[name] = {key: value.full_tensor().clone() if hasattr(value, "full_tensor") else value.clone()
+                           for key, value in entry.items()}
+    return weights, state
+
+
+def _save_all(rank: int) -> list[dict]:
+    from crew.runtime.checkpoint.deepspeed_zero3 import zero3_model_states, zero3_optim_states
+    engines = [(name, _train_fixture_case(name)) for name in CASES] + [("tied", _train_tied())]
+    out = []
+    for name, engine in engines:
+        weights, state = _live(engine)
+        out.append({"name": name, "model": zero3_model_states(engine, exclude_frozen=False),
+                    "model_without_frozen": zero3_model_states(engine, exclude_frozen=True),
+                    "optim": zero3_optim_states(engine), "weights": weights, "state": state,
+                    "world": engine.world_size})
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved() -> dict[str, list[dict]]:
+    """{case: [rank 0's result, rank 1's]}: one pair of processes trains every case and writes its dicts."""
+    per_rank = run_ranks(_save_all, 2, timeout=240)
+    return {entry["name"]: [rank[index] for rank in per_rank] for index, entry in enumerate(per_rank[0])}
+
+
+# -- the layout --------------------------------------------------------------------------------------
+
+def _layout(value):
+    """The skeleton of a saved object: keys, types, tensor shapes and dtypes (values of tensors left out)."""
+    if isinstance(value, dict):
+        return (type(value).__name__, {key: _layout(item) for key, item in value.items()})
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        return (type(value).__name__, [_layout(item) for item in value])
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, deepspeed_files._Attributes):
+        return (type(value).__name__, vars(value))
+    return (type(value).__name__, value if isinstance(value, (torch.Size, str, bool, type(None))) else None)
+
+
+def _fixture(name: str, rank: int, kind: str) -> dict:
+    tag = DATA / name / EXPECTED["cases"][name]["tag"]
+    if kind == "model":
+        return read(tag / ZERO3_MODEL_STATES.format(rank=rank))
+    prefix = "bf16_" if EXPECTED["cases"][name]["precision"] == "bf16" else ""
+    return read(tag / f"{prefix}{OPTIM_STATES[0].format(rank=rank)}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_files_hold_deepspeeds_keys_shapes_and_dtypes(saved, name):
+    """Each rank's dicts against the files DeepSpeed 0.19.8 wrote for the same model and config, key by key."""
+    for rank, got in enumerate(saved[name]):
+        model, optim = _fixture(name, rank, "model"), _fixture(name, rank, "optim")
+        assert _layout(got["model"]) == _layout({key: model[key] for key in ZERO3_KEYS})
+        assert _layout(got["optim"]) == _layout(optim)
+        assert got["optim"]["ds_config"] == optim["ds_config"]
+        ours, theirs = got["optim"]["optimizer_state_dict"], optim["optimizer_state_dict"]
+        assert ours["optimizer_state_dict"]["param_groups"] == theirs["optimizer_state_dict"]["param_groups"]
+        # the values: crew trained what DeepSpeed trained, so each rank's slices hold DeepSpeed's numbers (not in
+        # the padding, where DeepSpeed's are whatever the memory held under bf16; crew writes zeros)
+        tolerance = VALUE_TOLERANCE[EXPECTED["cases"][name]["precision"]]
+        shapes = model["param_shapes"]
+        for index, (mine, its) in enumerate(zip(ours["fp32_flat_groups"], theirs["fp32_flat_groups"], strict=True)):
+            held = _held(shapes[index], rank)
+            assert torch.allclose(mine[held], its[held], atol=tolerance, rtol=0), (mine[held] - its[held]).abs().max()
+            assert not mine[~held].any()
+        for index, entry in theirs["optimizer_state_dict"]["state"].items():
+            assert torch.equal(ours["optimizer_state_dict"]["state"][index]["step"], entry["step"])
+            held = _held(shapes[index], rank)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.allclose(ours["optimizer_state_dict"]["state"][index][key][held], entry[key][held],
+                                      atol=tolerance, rtol=0.05), key
+
+
+def _held(shapes: dict, rank: int, world: int = 2) -> torch.Tensor:
+    """Which elements of rank `rank`'s flat partition of a sub group are parameters (not padding)."""
+    masks = []
+    for shape in shapes.values():
+        part = -(-shape.numel() // world)
+        masks.append(torch.arange(part) < shape.numel() - rank * part)
+    return torch.cat(masks)
+
+
+# -- read back by crew's DeepSpeed reader ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def deepspeed_class_names():
+    """Pickle the stand-ins under DeepSpeed's class names, as saving.py does when it writes the files (a module
+    of that name exists only while the files are written)."""
+    added, renamed = [], []
+    for cls, name in deepspeed_files.STAND_INS:
+        module, qualname = name.rsplit(".", 1)
+        if module not in sys.modules:
+            sys.modules[module] = types.ModuleType(module)
+            added.append(module)
+        setattr(sys.modules[module], qualname, cls)
+        renamed.append((cls, cls.__module__, cls.__qualname__))
+        cls.__module__, cls.__qualname__ = module, qualname
+    try:
+        yield
+    finally:
+        for cls, module, qualname in renamed:
+            cls.__module__, cls.__qualname__ = module, qualname
+        for module in added:
+            del sys.modules[module]
+
+
+def write_tag(folder: Path, results: list[dict], optim_name: str, exclude_frozen: bool = False) -> Path:
+    """The ranks' dicts as a DeepSpeed tag folder (with the keys common to every stage that saving.py adds)."""
+    folder.mkdir(parents=True)
+    with deepspeed_class_names():
+        for rank, got in enumerate(results):
+            model = got["model_without_frozen"] if exclude_frozen else got["model"]
+            torch.save({**model, "optimizer": None, "dp_world_size": got["world"], "mp_world_size": 1,
+                        "ds_version": "0.19.8"}, folder / ZERO3_MODEL_STATES.format(rank=rank))
+            torch.save(got["optim"], folder / optim_name.format(rank=rank))
+    return folder
+
+
+@pytest.mark.parametrize("name", [*CASES, "tied"])
+def test_crews_reader_gives_the_live_engines_weights_and_optimizer_state(saved, name, tmp_path):
+    from crew.runtime.checkpoint import deepspeed_format
+    prefix = "bf16_" if name in CASES and EXPECTED["cases"][name]["precision"] == "bf16" else ""
+    folder = write_tag(tmp_path / "global_step3", saved[name], prefix + OPTIM_STATES[0])
+    weights, state = saved[name][0]["weights"], saved[name][0]["state"]
+    module = deepspeed_format.read_fp32_module(folder)
+    for key, value in weights.items():
+        assert torch.equal(module[key], value), key
+    tag = deepspeed_format._Tag(folder)
+    loaded = deepspeed_format._zero_optimizer(tag)
+    assert set(loaded["state"]) == set(state)
+    for key, entry in state.items():
+        for item, value in entry.items():
+            read_back = loaded["state"][key][item]
+            if item == "step":  # DeepSpeed's FusedAdam (the tied case's config) counts in a Python int
+                assert float(read_back) == float(value), key
+            else:
+                assert torch.equal(read_back, value), (key, item)
+
+
+def test_frozen_tied_and_sub_groups_as_deepspeed_lays_them_out(saved, tmp_path):
+    """DeepSpeed's rules for what the fixtures lack: frozen parameters apart (16-bit fragments, one slice a rank),
+    a tied weight saved once and named in rank 0's shared_params, sub groups of sub_group_size elements a rank."""
+    ranks = saved["tied"]
+    model = ranks[0]["model"]
+    # embed.weight 77 elements (39 a rank), mid 35 + 7 (18 + 4): sub groups close once they reach 40 a rank
+    assert [list(group) for group in model["param_shapes"]] == [["embed.weight", "mid.weight"], ["mid.bias"]]
+    assert model["param_shapes"][0]["embed.weight"] == torch.Size([11, 7])
+    assert model["shared_params"] == {"out.weight": "embed.weight"} and ranks[1]["model"]["shared_params"] == {}
+    assert list(model["frozen_param_shapes"]) == ["frozen.weight", "frozen.bias"]
+    for rank, got in enumerate(ranks):
+        fragments = got["model"]["frozen_param_fragments"]
+        assert fragments["frozen.weight"].shape == (18,) and fragments["frozen.bias"].shape == (3,)
+        whole = ranks[0]["weights"]["frozen.weight"].reshape(-1)
+        assert torch.equal(fragments["frozen.weight"][:min(18, 35 - 18 * rank)], whole[18 * rank:18 * rank + 18])
+        assert got["model_without_frozen"]["frozen_param_shapes"] is None
+        assert "frozen.weight" not in got["model_without_frozen"]["module"]
+        assert got["model"]["module"]["steps"].dtype == torch.int64
+        assert got["model"]["module"]["embed.weight"].shape == (0,)
+    optim = ranks[0]["optim"]["optimizer_state_dict"]
+    assert [flat.numel() for flat in optim["fp32_flat_groups"]] == [39 + 18, 4]
+    groups = optim["optimizer_state_dict"]["param_groups"]
+    assert [group["params"] for group in groups] == [[0, 1]] and groups[0]["bias_correction"] is True
+    assert optim["optimizer_state_dict"]["state"][0]["step"] == 2  # FusedAdam's int
+    # without the frozen parameters the weights still read back
+    from crew.runtime.checkpoint import deepspeed_format
+    folder = write_tag(tmp_path / "tag", ranks, OPTIM_STATES[0], exclude_frozen=True)
+    tag = deepspeed_format._Tag(folder)
+    params = deepspeed_format.fp32_params(tag, None)
+    assert torch.equal(params["mid.weight"], ranks[0]["weights"]["mid.weight"])
+
+
+def test_a_factored_optimizer_state_is_refused():
+    """Optimizer state that is not element-wise with the weights (Adafactor's row and column factors) cannot
+    be laid out flat as DeepSpeed's: one clear error, not a wrong file."""
+    from crew.runtime.checkpoint.deepspeed_zero3 import _state_tensor
+    from crew.runtime.checkpoint.layout import CheckpointError
+    with pytest.raises(CheckpointError, match="Adafactor"):
+        _state_tensor(torch.zeros(7), torch.nn.Parameter(torch.zeros(7, 5)), "row_var")
+    assert copy.copy(_state_tensor(None, torch.nn.Parameter(torch.zeros(2, 3)), "exp_avg")).shape == (2, 3)
