@@ -28,6 +28,10 @@ from crew.runtime.checkpoint.layout import CheckpointError
 DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this is, as its files record it
 _SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig.sub_group_size's default
 _FUSED_NAMES = ("adam", "adamw")  # config names for which DeepSpeed builds FusedAdam / DeepSpeedCPUAdam
+_GROUP_KEYS = {  # the defaults of deepspeed/ops/adam/fused_adam.py's and cpu_adam.py's __init__
+    "FusedAdam": ("lr", "bias_correction", "betas", "eps", "weight_decay"),
+    "DeepSpeedCPUAdam": ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad"),
+}
 
 
 def zero3_model_states(engine, exclude_frozen: bool) -> dict:
@@ -62,18 +66,17 @@ def zero3_optim_states(engine) -> dict:
     sub_groups = _sub_groups(engine, _param_names(engine.module))
     flat_weights = [_flat([engine.precision.master_of(param) for _, param in sub_group], engine)
                     for _, sub_group in sub_groups]
-    fused = _deepspeed_builds_fused_adam(engine)
+    built = _deepspeeds_adam(engine)
     state = {}
     for index, (_, sub_group) in enumerate(sub_groups):
-        entry = _flat_state(engine, [param for _, param in sub_group], fused)
+        entry = _flat_state(engine, [param for _, param in sub_group], built is not None)
         if entry:
             state[index] = entry
     groups = []
-    for number, group in enumerate(optimizer.param_groups):
-        hyper = {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
-        if fused:  # FusedAdam and DeepSpeedCPUAdam step with it; torch's AdamW, which crew runs, has none
-            hyper.setdefault("bias_correction", True)
-        groups.append({**hyper, "params": [index for index, (owner, _) in enumerate(sub_groups) if owner == number]})
+    for number, group in enumerate(_deepspeeds_groups(optimizer)):
+        indices = [index for index, (owner, _) in enumerate(sub_groups) if owner == number]
+        stepped = any(index in state for index in indices)
+        groups.append({**_hyperparameters(optimizer, group, built, stepped), "params": indices})
     scaler = _loss_scaler(engine)
     return {
         "optimizer_state_dict": {
@@ -102,13 +105,19 @@ def _optimized(param: torch.Tensor) -> bool:
     return param.requires_grad and param.numel() > 0
 
 
+def _deepspeeds_groups(optimizer) -> list[dict]:
+    """The param groups DeepSpeed's optimizer keeps: it drops those given no parameters at all (engine.py
+    _configure_optimizer), a LoRA fine-tune's empty no-decay group, say."""
+    return [group for group in optimizer.param_groups if len(group["params"]) != 0]
+
+
 def _sub_groups(engine, names: dict) -> list[tuple[int, list[tuple[str, torch.nn.Parameter]]]]:
     """(param group index, [(name, parameter)]) for each of DeepSpeed's sub groups, in its order
     (stage3.py _get_trainable_parameter_groups, _create_fp16_sub_groups)."""
     limit = int(float((engine.crew_config.raw.get("zero_optimization") or {}).get("sub_group_size",
                                                                                    _SUB_GROUP_SIZE)))
     out = []
-    for number, group in enumerate(engine.optimizer.param_groups):
+    for number, group in enumerate(_deepspeeds_groups(engine.optimizer)):
         params = [param for param in group["params"] if _optimized(param)]
         unnamed = [tuple(param.shape) for param in params if param not in names]
         if unnamed:
@@ -256,15 +265,35 @@ def _shared_params(module: torch.nn.Module) -> dict[str, str]:
 
 # -- the optimizer's surroundings ----------------------------------------------------------------------
 
-def _deepspeed_builds_fused_adam(engine) -> bool:
-    """Whether DeepSpeed builds FusedAdam (or, offloading, DeepSpeedCPUAdam) for this config's optimizer
-    (engine.py get_optimizer_configuration): "Adam"/"AdamW" without torch_adam, and no client optimizer."""
-    if getattr(engine, "_client_optimizer_name", None) is not None:  # the script's own optimizer
-        return False
-    section = engine.crew_config.raw.get("optimizer")
+def _deepspeeds_adam(engine) -> str | None:
+    """The optimizer DeepSpeed builds for the config's "Adam"/"AdamW" without torch_adam (engine.py
+    get_optimizer_configuration) where crew runs torch's AdamW: "DeepSpeedCPUAdam" with offload_optimizer,
+    otherwise "FusedAdam" (its CPU build on a CPU). None for any other optimizer, or the script's own."""
+    if getattr(engine, "_client_optimizer_name", None) is not None:
+        return None
+    raw = engine.crew_config.raw
+    section = raw.get("optimizer")
     if not isinstance(section, dict) or str(section.get("type", "")).lower() not in _FUSED_NAMES:
-        return False
-    return not (section.get("params") or {}).get("torch_adam", False)
+        return None
+    if (section.get("params") or {}).get("torch_adam", False):
+        return None
+    offload = ((raw.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+    return "DeepSpeedCPUAdam" if offload in ("cpu", "nvme") else "FusedAdam"
+
+
+def _hyperparameters(optimizer, group: dict, built: str | None, stepped: bool) -> dict:
+    """A param group's values as the optimizer DeepSpeed runs has them: crew's own where that is crew's (torch's
+    keys), else that optimizer's keys (FusedAdam's group gains "step" at its first step) and the script's."""
+    values = {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+    if built is None:
+        return values
+    values.setdefault("bias_correction", True)
+    values.setdefault("amsgrad", False)
+    out = {key: values[key] for key in _GROUP_KEYS[built]}
+    out.update((key, value) for key, value in values.items() if key not in optimizer.defaults and key not in out)
+    if built == "FusedAdam" and stepped:
+        out["step"] = 0
+    return out
 
 
 def _loss_scaler(engine):

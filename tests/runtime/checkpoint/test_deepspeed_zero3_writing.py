@@ -258,6 +258,8 @@ def test_frozen_tied_and_sub_groups_as_deepspeed_lays_them_out(saved, tmp_path):
     assert [flat.numel() for flat in optim["fp32_flat_groups"]] == [39 + 18, 4]
     groups = optim["optimizer_state_dict"]["param_groups"]
     assert [group["params"] for group in groups] == [[0, 1]] and groups[0]["bias_correction"] is True
+    # FusedAdam's own keys (deepspeed/ops/adam/fused_adam.py, "step" from its first step on), not torch AdamW's
+    assert set(groups[0]) == {"lr", "bias_correction", "betas", "eps", "weight_decay", "step", "params"}
     assert optim["optimizer_state_dict"]["state"][0]["step"] == 2  # FusedAdam's int
     # without the frozen parameters the weights still read back
     from crew.runtime.checkpoint import deepspeed_format
