@@ -78,6 +78,10 @@ class _Tag:
     def param_shapes(self) -> list[dict[str, torch.Size]]:
         return [dict(group) for group in self.model["param_shapes"]]
 
+    def optimizer_file(self) -> Path:
+        """The file the optimizer state is in (rank 0's at stages 1-3)."""
+        return self.model_file if self.stage == 0 else optim_files(self.folder, self.world_size)[0]
+
     def where(self) -> str:
         return f"{self.folder}'s optimizer files"
 
@@ -280,12 +284,21 @@ def _stage0_optimizer(tag: _Tag, groups: list[list[str]]) -> dict:
         per_group = [[base["state"][index][key] for index in group["params"]] for group in saved_groups]
         if tensor:
             by_name = _by_position(tag, per_group, flat, groups, f"optimizer state '{key}'")
-        else:  # a scalar (Adam's step): the same for every parameter of the group
-            by_name = {name: _copy(values[0]) for values, names in zip(per_group, groups, strict=True)
+        else:  # a scalar (Adam's step): one for the whole group
+            by_name = {name: _group_scalar(key, values) for values, names in zip(per_group, groups, strict=True)
                        for name in names}
         for name, value in by_name.items():
             state.setdefault(name, {})[key] = value
     return {"state": state, "param_groups": hyper}
+
+
+def _group_scalar(key: str, values: list):
+    """A group's scalar state. FusedAdam 0.19.8 counts its `step` on the group's last parameter only (the
+    `state` left by its loop, deepspeed/ops/adam/fused_adam.py 147-193), the others keep the step they
+    started at, and steps the whole group with that count: the group's largest is its step."""
+    if key == "step" and all(isinstance(value, (int, float, torch.Tensor)) for value in values):
+        return _copy(max(values, key=float))
+    return _copy(values[0])
 
 
 def _copy(value):
@@ -321,14 +334,90 @@ def _zero_optimizer(tag: _Tag) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _in_engine_order(optimizer: dict, groups: list[list[str]] | None) -> dict:
-    """Each saved param group in the order of this engine's group of the same parameters (ZeRO's
-    round_robin_gradients saves them shuffled); loading.py checks that the groups match."""
-    if groups is None or len(groups) != len(optimizer["param_groups"]):
-        return optimizer
-    ordered = [{**saved, "params": list(names)} if set(saved["params"]) == set(names) else saved
-               for saved, names in zip(optimizer["param_groups"], groups, strict=True)]
-    return {**optimizer, "param_groups": ordered}
+# -- into the live optimizer's conventions ---------------------------------------------------------
+# DeepSpeed's optimizers keep their state as torch's do, but for: DeepSpeedCPUAdam/Adagrad/Lion and FusedAdam
+# count `step` as a Python int (torch: a float32 scalar tensor); FusedAdam before 0.16 counted it in the param
+# group only; DeepSpeedCPUAdagrad calls torch Adagrad's `sum` `exp_avg_sq` (deepspeed/ops/adagrad/
+# cpu_adagrad.py 79-86); and their groups carry settings torch's lack (bias_correction, amsgrad, a group step).
+
+_TENSOR_STEP = tuple(getattr(torch.optim, name) for name in (
+    "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "ASGD", "Adadelta", "RMSprop", "Rprop", "Adafactor")
+    if hasattr(torch.optim, name))
+# state keys a torch optimizer takes (and those it needs); other classes (a client's own) take the state as saved
+_STATE_KEYS = ((torch.optim.Adagrad, {"step", "sum"}, {"sum"}),
+               ((torch.optim.Adam, torch.optim.AdamW), {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+                {"exp_avg", "exp_avg_sq"}),
+               (torch.optim.SGD, {"momentum_buffer"}, set()))
+# a saved group setting the live optimizer lacks, harmless at this value (the group step is moved into the state)
+_NEUTRAL = {"bias_correction": True, "amsgrad": False}
+# live settings a saved group may lack (what only the first step reads, or a default), and those the live group
+# keeps whatever was saved (how torch computes on this machine)
+_LIVE_ONLY = {"maximize", "decoupled_weight_decay", "amsgrad", "bias_correction", "initial_accumulator_value",
+              "lr_decay", "initial_lr"}
+_HOW = {"foreach", "fused", "capturable", "differentiable"}
+
+
+def _live_class(optimizer) -> type:
+    """The class that holds the state: ZeroRedundancyOptimizer's (stages 1-2) is the one it was built with."""
+    built = getattr(optimizer, "_optim_constructor", None)
+    return built if isinstance(built, type) else type(optimizer)
+
+
+def _as_live(optimizer: dict, live_groups: list[dict] | None, cls: type, path: Path) -> dict:
+    """The optimizer state by name (from _stage0_optimizer or _zero_optimizer) in the conventions of `cls`, with
+    the param groups of this engine's (`live_groups`, by name) in their order, matched by the parameters they
+    hold; an empty live group takes nothing. A CheckpointError naming `path` where the state does not fit."""
+    fix = ("build the optimizer the DeepSpeed run had (its config's \"optimizer\" section, or the same client "
+           "optimizer), or load the weights only: load_checkpoint(..., load_optimizer_states=False)")
+    saved_groups = optimizer["param_groups"]
+    state = {name: dict(entry) for name, entry in optimizer["state"].items()}
+    for group in saved_groups:  # the group's step (FusedAdam before 0.16): into each parameter's state
+        for name in group["params"]:
+            if "step" in group and name in state and "step" not in state[name]:
+                state[name]["step"] = group["step"]
+    for name, entry in state.items():
+        _state_as_live(entry, cls, path, name, fix)
+    if live_groups is None:
+        return {"state": state, "param_groups": saved_groups}
+    groups = []
+    for index, live in enumerate(live_groups):
+        if not live["params"]:
+            groups.append({**live, "params": []})
+            continue
+        match = [group for group in saved_groups if set(group["params"]) & set(live["params"])]
+        if len(match) != 1 or set(match[0]["params"]) != set(live["params"]):
+            raise CheckpointError(
+                f"{path}: this engine's param group {index} holds {live['params'][:4]}..., which no saved param "
+                f"group holds alone (the saved groups: {[group['params'][:4] for group in saved_groups]}): {fix}")
+        groups.append(_group_as_live(match[0], live, cls, path, index, fix))
+    return {"state": state, "param_groups": groups}
+
+
+def _state_as_live(entry: dict, cls: type, path: Path, name: str, fix: str) -> None:
+    if issubclass(cls, torch.optim.Adagrad) and "sum" not in entry and "exp_avg_sq" in entry:
+        entry["sum"] = entry.pop("exp_avg_sq")  # DeepSpeedCPUAdagrad's name for it
+    for classes, allowed, needed in _STATE_KEYS:
+        if issubclass(cls, classes) and (set(entry) - allowed or needed - set(entry)):
+            raise CheckpointError(
+                f"{path}: the saved optimizer state of {name} holds {sorted(entry)}, which this engine's "
+                f"{cls.__name__} cannot take (it keeps {sorted(allowed)}): saved by another optimizer; {fix}")
+    step = entry.get("step")
+    if issubclass(cls, _TENSOR_STEP) and step is not None and not isinstance(step, torch.Tensor):
+        entry["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def _group_as_live(saved: dict, live: dict, cls: type, path: Path, index: int, fix: str) -> dict:
+    """The saved group's settings under the live group's keys, in the live group's parameter order."""
+    for key, value in saved.items():
+        if key not in live and key not in ("params", "step") and (key not in _NEUTRAL or value != _NEUTRAL[key]):
+            raise CheckpointError(f"{path}: saved param group {index} has {key}={value!r}, which this engine's "
+                                  f"{cls.__name__} has no setting for: {fix}")
+    lacking = sorted(key for key in live if key not in saved and key not in _LIVE_ONLY | _HOW | {"params"})
+    if lacking:
+        raise CheckpointError(f"{path}: saved param group {index} has no {', '.join(lacking)}, which this "
+                              f"engine's {cls.__name__} needs: saved by another optimizer; {fix}")
+    return {**live, **{key: value for key, value in saved.items() if key in live and key not in _HOW},
+            "params": list(live["params"])}
 
 
 # -- what loading.py loads ---------------------------------------------------------------------------
@@ -386,7 +475,7 @@ def read_for_load(engine, folder: Path, states: dict, load_optimizer_states: boo
     by_name = None
     if optimizer:
         by_name = _stage0_optimizer(tag, positions) if tag.stage == 0 else _zero_optimizer(tag)
-        by_name = _in_engine_order(by_name, positions)
+        by_name = _as_live(by_name, named, _live_class(engine.optimizer), tag.optimizer_file())
     steps = int(saved.get("global_steps") or 0)
     precision = {"skipped_steps": int(saved.get("skipped_steps") or 0)}
     scaler = _loss_scaler(tag) if optimizer else None
