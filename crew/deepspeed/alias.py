@@ -20,6 +20,7 @@ ALIASES = {
     "deepspeed.comm": "crew.runtime.comm",
     "deepspeed.zero": "crew.runtime.zero",
     "deepspeed.runtime.zero": "crew.runtime.zero",
+    "deepspeed.runtime.zero.config": "crew.deepspeed.runtime.zero_config",  # ZeroStageEnum, for unpickling
 }
 
 

@@ -153,8 +153,8 @@ def test_zero_to_fp32_file_lists(census_rank):
     files = census_rank["zero_to_fp32"]
     assert files["optim"] == ["bf16_zero_pp_rank_2_mp", "bf16_zero_pp_rank_10_m"]  # DeepSpeed's natural order
     assert files["model"] == "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    assert files["crew"].startswith("CheckpointError:") and "is a crew checkpoint" in files["crew"]
-    assert "crew export" in files["crew"]
+    # a crew checkpoint at stage 0 has no optimizer files: DeepSpeed's error, word for word
+    assert files["crew"].startswith("FileNotFoundError: can't find *_optim_states.pt files in directory"), files
 
 
 def test_the_scanner_follows_pythons_bindings(tmp_path):
