@@ -394,7 +394,7 @@ def _as_live(optimizer: dict, live_groups: list[dict] | None, cls: type, path: P
 
 
 def _state_as_live(entry: dict, cls: type, path: Path, name: str, fix: str) -> None:
-    if issubclass(cls, torch.optim.Adagrad) and "sum" not in entry and "exp_avg_sq" in entry:
+    if issubclass(cls, torch.optim.Adagrad) and set(entry) in ({"exp_avg_sq"}, {"exp_avg_sq", "step"}):
         entry["sum"] = entry.pop("exp_avg_sq")  # DeepSpeedCPUAdagrad's name for it
     for classes, allowed, needed in _STATE_KEYS:
         if issubclass(cls, classes) and (set(entry) - allowed or needed - set(entry)):

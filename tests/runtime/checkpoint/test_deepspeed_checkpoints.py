@@ -76,16 +76,18 @@ def initialize(name: str, config: dict, seed: int = 99):
     return crew.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
-def resume(rank: int, name: str, world: int, stage: int | None = None, **load: bool) -> dict:
-    """A fresh crew engine (as a user's restart: another seed) loads DeepSpeed's checkpoint `name` and trains
-    the steps DeepSpeed trained after its own resume; every micro step's loss averaged over the ranks."""
+def resume(rank: int, name: str, world: int, stage: int | None = None, folder: Path | None = None,
+           **load: bool) -> dict:
+    """A fresh crew engine (as a user's restart: another seed) loads DeepSpeed's checkpoint `name` (from `folder`,
+    if given) and trains the steps DeepSpeed trained after its own resume; every micro step's loss averaged over
+    the ranks."""
     case = EXPECTED["cases"][name]
     config = copy.deepcopy(case["config"])
     config["train_micro_batch_size_per_gpu"] = made.MICRO * made.WORLD // world
     if stage is not None:
         config["zero_optimization"] = {"stage": stage}
     engine = initialize(name, config)
-    path, client = engine.load_checkpoint(DATA / name, **load)
+    path, client = engine.load_checkpoint(folder or DATA / name, **load)
     weights = fp32_weights(engine)
     after_load = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                   "skipped_steps": engine.skipped_steps, "lr": engine.get_lr()[0]}
@@ -150,6 +152,11 @@ TWO_RANKS = [(name, None, {}) for name in EXPECTED["cases"]] + [
     ("stage0_fp32", 3, {}),  # by position into FSDP2 shards
     ("stage0_bf16_groups", 2, {}),  # by position, two param groups, into stage 2's owners
     ("stage2_fp32", 0, {"tag": "my_tag"}),
+    ("fusedadam_stage0_fp32_decay", 2, {}),  # FusedAdam's stage-0 step into stage 2's owners
+    ("cpuadam_stage2_offload", 3, {}),  # CPU Adam's int step and group keys into FSDP2 shards
+    ("fusedadam_stage3_fp32", 0, {}),
+    ("cpuadagrad_stage2_offload", 0, {}),
+    ("lora_stage3", 1, {}),  # an empty group at ZeRO 1
 ]
 
 
@@ -284,3 +291,53 @@ def test_a_missing_rank_file_is_named(tmp_path):
         engine.load_checkpoint(folder)
     engine.load_checkpoint(folder, load_optimizer_states=False)  # stages 0-2: the weights are in the module file
     assert engine.global_steps == 3
+
+
+def rewrite_stage0_step(folder: Path, in_group: bool) -> None:
+    """The FusedAdam case's optimizer with its step in the param group only (in_group: FusedAdam before
+    DeepSpeed 0.16, whose fused_adam.py stepped `group['step'] += 1`; 0.19.8 still reads it, fused_adam.py
+    150-153: "we use group['state'] to initialize state['step'] if it exists"), or with every parameter's step
+    at 0, as crew took the group's first parameter's."""
+    from crew.runtime.checkpoint.deepspeed_files import read
+    path = folder / "global_step3" / "mp_rank_00_model_states.pt"
+    saved = read(path)
+    optimizer = saved["optimizer"]
+    for entry in optimizer["state"].values():
+        del entry["step"]
+        if not in_group:
+            entry["step"] = 0
+    optimizer["param_groups"][0]["step"] = 3 if in_group else 0
+    torch.save(saved, path)
+
+
+def test_fused_adams_step_in_the_group_or_counted_on_the_last_parameter(tmp_path):
+    """FusedAdam's CUDA build has no fixture (no GPU here): it runs the same Python step as the CPU build
+    (deepspeed/ops/adam/fused_adam.py 130-193, only FusedAdamBuilder differs), so fusedadam_stage0_fp32_decay
+    is its layout too: the step counted on the group's last parameter only. Its older layout keeps the step in
+    the param group; a step count of 0, as crew read the group's first parameter's, moves the losses."""
+    name = "fusedadam_stage0_fp32_decay"
+    case = EXPECTED["cases"][name]
+    older = copy_case(name, tmp_path / "older")
+    rewrite_stage0_step(older, in_group=True)
+    assert resume(0, name, 1, folder=older)["losses"] == pytest.approx(case["resumed_losses"], **tolerance(case))
+    restarted = copy_case(name, tmp_path / "restarted")
+    rewrite_stage0_step(restarted, in_group=False)
+    losses = resume(0, name, 1, folder=restarted)["losses"]
+    assert max(abs(a - b) / b for a, b in zip(losses, case["resumed_losses"])) > 1e-3
+
+
+@pytest.mark.parametrize("name, optimizer, named", [
+    ("cpuadagrad_stage2_offload", "Adam", r"holds \['exp_avg_sq', 'step'\], which this engine's AdamW cannot take"),
+    ("cpulion_stage2_offload", "Adam", "saved param group 0 has no eps, which this engine's AdamW needs"),
+    ("fusedadam_stage1_fp32", "Adagrad", r"holds \['exp_avg', 'exp_avg_sq', 'step'\].*Adagrad cannot take"),
+])
+def test_an_optimizer_state_of_another_optimizer_is_refused(name, optimizer, named):
+    """DeepSpeed's state of one optimizer into an engine built with another: one error naming the file and what
+    does not fit, not a silent load."""
+    case = EXPECTED["cases"][name]
+    config = case["config"] | {"train_micro_batch_size_per_gpu": 8,
+                               "optimizer": {"type": optimizer, "params": {"lr": 0.01}}}
+    engine = initialize(name, config)
+    with pytest.raises(CheckpointError, match=f"zero_pp_rank_0_mp_rank_00_optim_states.pt: .*{named}.*"
+                                              "load_optimizer_states=False"):
+        engine.load_checkpoint(DATA / name)
