@@ -9,11 +9,10 @@ them: benchmarks/deepspeed_zero3_check.py (needs DeepSpeed; run by hand)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import json
-import sys
+import pickle
 import types
 from pathlib import Path
 
@@ -180,37 +179,32 @@ def _held(shapes: dict, rank: int, world: int = 2) -> torch.Tensor:
 
 # -- read back by crew's DeepSpeed reader ----------------------------------------------------------------
 
-@contextlib.contextmanager
-def deepspeed_class_names():
-    """Pickle the stand-ins under DeepSpeed's class names, as saving.py does when it writes the files (a module
-    of that name exists only while the files are written)."""
-    added, renamed = [], []
-    for cls, name in deepspeed_files.STAND_INS:
-        module, qualname = name.rsplit(".", 1)
-        if module not in sys.modules:
-            sys.modules[module] = types.ModuleType(module)
-            added.append(module)
-        setattr(sys.modules[module], qualname, cls)
-        renamed.append((cls, cls.__module__, cls.__qualname__))
-        cls.__module__, cls.__qualname__ = module, qualname
-    try:
-        yield
-    finally:
-        for cls, module, qualname in renamed:
-            cls.__module__, cls.__qualname__ = module, qualname
-        for module in added:
-            del sys.modules[module]
+class _DeepSpeedNames(pickle._Pickler):
+    """Pickles the stand-ins under DeepSpeed's class names, as saving.py does when it writes the files (pickle's
+    Python pickler: the C one insists on importing the module it names)."""
+
+    names = {cls: name.rsplit(".", 1) for cls, name in deepspeed_files.STAND_INS}
+
+    def save_global(self, obj, name=None):
+        if obj not in self.names:
+            return super().save_global(obj, name)
+        self.write(pickle.GLOBAL + "{}\n{}\n".format(*self.names[obj]).encode())
+        self.memoize(obj)
+
+
+DEEPSPEED_NAMES = types.ModuleType("deepspeed_names")  # torch.save(pickle_module=...) subclasses its Pickler
+DEEPSPEED_NAMES.Pickler = _DeepSpeedNames
 
 
 def write_tag(folder: Path, results: list[dict], optim_name: str, exclude_frozen: bool = False) -> Path:
     """The ranks' dicts as a DeepSpeed tag folder (with the keys common to every stage that saving.py adds)."""
     folder.mkdir(parents=True)
-    with deepspeed_class_names():
-        for rank, got in enumerate(results):
-            model = got["model_without_frozen"] if exclude_frozen else got["model"]
-            torch.save({**model, "optimizer": None, "dp_world_size": got["world"], "mp_world_size": 1,
-                        "ds_version": "0.19.8"}, folder / ZERO3_MODEL_STATES.format(rank=rank))
-            torch.save(got["optim"], folder / optim_name.format(rank=rank))
+    for rank, got in enumerate(results):
+        model = got["model_without_frozen"] if exclude_frozen else got["model"]
+        torch.save({**model, "optimizer": None, "dp_world_size": got["world"], "mp_world_size": 1,
+                    "ds_version": "0.19.8"}, folder / ZERO3_MODEL_STATES.format(rank=rank),
+                   pickle_module=DEEPSPEED_NAMES)
+        torch.save(got["optim"], folder / optim_name.format(rank=rank), pickle_module=DEEPSPEED_NAMES)
     return folder
 
 
