@@ -341,3 +341,19 @@ def test_an_optimizer_state_of_another_optimizer_is_refused(name, optimizer, nam
     with pytest.raises(CheckpointError, match=f"zero_pp_rank_0_mp_rank_00_optim_states.pt: .*{named}.*"
                                               "load_optimizer_states=False"):
         engine.load_checkpoint(DATA / name)
+
+
+@pytest.mark.parametrize("extra, what", [
+    ("mp_rank_01_model_states.pt", "tensor \\(model\\) parallel ranks"),
+    ("layer_0_expert_0_mp_rank_00_model_states.pt", "mixture-of-experts layers"),  # engine._get_expert_ckpt_name
+    ("layer_01-model_states.pt", "pipeline-parallel layers"),  # PipelineModule.ckpt_layer_path
+])
+def test_model_parallel_experts_and_pipeline_are_refused(tmp_path, extra, what):
+    """A DeepSpeed checkpoint crew does not read: one error naming the file and what it holds."""
+    folder = copy_case("stage1_fp32", tmp_path)
+    torch.save({}, folder / "global_step3" / extra)
+    config = EXPECTED["cases"]["stage1_fp32"]["config"] | {"train_micro_batch_size_per_gpu": 8}
+    engine = initialize("stage1_fp32", config)
+    with pytest.raises(CheckpointError, match=f"global_step3 holds {extra}: a DeepSpeed checkpoint with {what}, "
+                                              "which crew does not read.*zero_to_fp32.py"):
+        engine.load_checkpoint(folder)
