@@ -336,9 +336,10 @@ def _zero_optimizer(tag: _Tag) -> dict:
 
 # -- into the live optimizer's conventions ---------------------------------------------------------
 # DeepSpeed's optimizers keep their state as torch's do, but for: DeepSpeedCPUAdam/Adagrad/Lion and FusedAdam
-# count `step` as a Python int (torch: a float32 scalar tensor); FusedAdam before 0.16 counted it in the param
-# group only; DeepSpeedCPUAdagrad calls torch Adagrad's `sum` `exp_avg_sq` (deepspeed/ops/adagrad/
-# cpu_adagrad.py 79-86); and their groups carry settings torch's lack (bias_correction, amsgrad, a group step).
+# count `step` as a Python int (torch: a float32 scalar tensor); an older FusedAdam counted it in the param
+# group only (0.19.8 still starts from it: fused_adam.py 150-153); DeepSpeedCPUAdagrad calls torch Adagrad's
+# `sum` `exp_avg_sq` (deepspeed/ops/adagrad/cpu_adagrad.py 79-86); and their groups carry settings torch's
+# lack (bias_correction, amsgrad, a group step).
 
 _TENSOR_STEP = tuple(getattr(torch.optim, name) for name in (
     "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "ASGD", "Adadelta", "RMSprop", "Rprop", "Adafactor")
@@ -371,7 +372,7 @@ def _as_live(optimizer: dict, live_groups: list[dict] | None, cls: type, path: P
            "optimizer), or load the weights only: load_checkpoint(..., load_optimizer_states=False)")
     saved_groups = optimizer["param_groups"]
     state = {name: dict(entry) for name, entry in optimizer["state"].items()}
-    for group in saved_groups:  # the group's step (FusedAdam before 0.16): into each parameter's state
+    for group in saved_groups:  # the group's step (an older FusedAdam's): into each parameter's state
         for name in group["params"]:
             if "step" in group and name in state and "step" not in state[name]:
                 state[name]["step"] = group["step"]
@@ -410,11 +411,12 @@ def _group_as_live(saved: dict, live: dict, cls: type, path: Path, index: int, f
     """The saved group's settings under the live group's keys, in the live group's parameter order."""
     for key, value in saved.items():
         if key not in live and key not in ("params", "step") and (key not in _NEUTRAL or value != _NEUTRAL[key]):
-            raise CheckpointError(f"{path}: saved param group {index} has {key}={value!r}, which this engine's "
-                                  f"{cls.__name__} has no setting for: {fix}")
+            raise CheckpointError(f"{path}: the saved param group of this engine's group {index} has "
+                                  f"{key}={value!r}, which this engine's {cls.__name__} has no setting for: {fix}")
     lacking = sorted(key for key in live if key not in saved and key not in _LIVE_ONLY | _HOW | {"params"})
     if lacking:
-        raise CheckpointError(f"{path}: saved param group {index} has no {', '.join(lacking)}, which this "
+        raise CheckpointError(f"{path}: the saved param group of this engine's group {index} has no "
+                              f"{', '.join(lacking)}, which this "
                               f"engine's {cls.__name__} needs: saved by another optimizer; {fix}")
     return {**live, **{key: value for key, value in saved.items() if key in live and key not in _HOW},
             "params": list(live["params"])}

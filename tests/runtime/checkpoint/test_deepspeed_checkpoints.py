@@ -294,10 +294,10 @@ def test_a_missing_rank_file_is_named(tmp_path):
 
 
 def rewrite_stage0_step(folder: Path, in_group: bool) -> None:
-    """The FusedAdam case's optimizer with its step in the param group only (in_group: FusedAdam before
-    DeepSpeed 0.16, whose fused_adam.py stepped `group['step'] += 1`; 0.19.8 still reads it, fused_adam.py
-    150-153: "we use group['state'] to initialize state['step'] if it exists"), or with every parameter's step
-    at 0, as crew took the group's first parameter's."""
+    """The FusedAdam case's optimizer with its step in the param group only (in_group: an older FusedAdam's, whose
+    step counted the group's; 0.19.8 still starts from it, fused_adam.py 150-153: "In order to keep backward
+    compatibility for the existing checkpoints, we use group['state'] to initialize state['step'] if it
+    exists"), or with every parameter's step at 0, as crew took the group's first parameter's."""
     from crew.runtime.checkpoint.deepspeed_files import read
     path = folder / "global_step3" / "mp_rank_00_model_states.pt"
     saved = read(path)
@@ -328,7 +328,7 @@ def test_fused_adams_step_in_the_group_or_counted_on_the_last_parameter(tmp_path
 
 @pytest.mark.parametrize("name, optimizer, named", [
     ("cpuadagrad_stage2_offload", "Adam", r"holds \['exp_avg_sq', 'step'\], which this engine's AdamW cannot take"),
-    ("cpulion_stage2_offload", "Adam", "saved param group 0 has no eps, which this engine's AdamW needs"),
+    ("cpulion_stage2_offload", "Adam", "group 0 has no eps, which this engine's AdamW needs"),
     ("fusedadam_stage1_fp32", "Adagrad", r"holds \['exp_avg', 'exp_avg_sq', 'step'\].*Adagrad cannot take"),
 ])
 def test_an_optimizer_state_of_another_optimizer_is_refused(name, optimizer, named):
