@@ -13,6 +13,9 @@ Where the fp32 weights are (DeepSpeed keeps them apart from the 16-bit module un
             rank holding its 1/world of it, one after the other; the optimizer state likewise
 as deepspeed/utils/zero_to_fp32.py reassembles them. At stage 0 the files name no parameters: the
 optimizer's entries are matched to this engine's parameters by position, as DeepSpeed's own load does.
+The optimizer state then takes the conventions of this engine's optimizer (DeepSpeed's kernels count `step` as
+an int, CPU Adagrad names torch's `sum` otherwise, the groups carry other settings), its param groups matched to
+this engine's by the parameters they hold; a state of another optimizer is refused.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """DeepSpeed 0.19.8 checkpoints (written by real DeepSpeed: deepspeed_data/make_checkpoints.py) loaded by crew's
 load_checkpoint and `crew export`: training goes on with the losses DeepSpeed itself had after its own resume,
-at world size 2 and 1 and at another ZeRO stage; client_state, counters and lr as DeepSpeed returned them; the
-fp32 master weights; files naming a class outside the allow-list are refused."""
+at world size 2 and 1 and at another ZeRO stage, for every optimizer layout DeepSpeed writes on a CPU (torch's
+AdamW, FusedAdam, DeepSpeedCPUAdam/Adagrad/Lion, a client SGD, a ZeRO-3 LoRA with an empty param group);
+client_state, counters and lr as DeepSpeed returned them; the fp32 master weights; files naming a class outside
+the allow-list, another optimizer's state and model-parallel, MoE or pipeline checkpoints are refused."""
 
 from __future__ import annotations
 
