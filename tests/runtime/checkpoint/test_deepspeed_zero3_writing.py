@@ -29,7 +29,9 @@ _spec = importlib.util.spec_from_file_location("make_checkpoints", DATA / "make_
 made = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(made)
 
-CASES = ["stage3_fp32", "stage3_bf16", "stage3_bf16_groups"]
+# every stage-3 fixture: torch's AdamW (fp32, bf16, two groups), FusedAdam's and DeepSpeedCPUAdam's layouts (int
+# steps, their group keys), and a LoRA run (frozen parameters apart, the empty no-decay group DeepSpeed drops)
+CASES = [name for name, case in EXPECTED["cases"].items() if case["stage"] == 3]
 ZERO3_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
               "shared_params")
 # crew trains the fixtures' model as DeepSpeed did (test_deepspeed_checkpoints.py: equal losses in fp32): its flat
@@ -61,10 +63,9 @@ TIED_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "step
 
 def _train_fixture_case(name: str):
     import crew
-    stage, precision, extra, grouped = made.CASES[name]
-    model = made.build_model(seed=0)
-    params = made.param_groups(model) if grouped else model.parameters()
-    engine, _, _, _ = crew.initialize(model=model, model_parameters=params, config=made.config(stage, precision, extra))
+    precision = made.CASES[name][1]
+    model, params = made.case_model(name, seed=0)
+    engine, _, _, _ = crew.initialize(model=model, model_parameters=params, config=made.case_config(name))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     for step in range(made.K_STEPS):
@@ -160,8 +161,11 @@ def test_the_files_hold_deepspeeds_keys_shapes_and_dtypes(saved, name):
             held = _held(shapes[index], rank)
             assert torch.allclose(mine[held], its[held], atol=tolerance, rtol=0), (mine[held] - its[held]).abs().max()
             assert not mine[~held].any()
+        for key, fragment in model["frozen_param_fragments"].items():  # LoRA's frozen base: the same weights
+            held = _held({key: model["frozen_param_shapes"][key]}, rank)
+            assert torch.equal(got["model"]["frozen_param_fragments"][key][held], fragment[held]), key
         for index, entry in theirs["optimizer_state_dict"]["state"].items():
-            assert torch.equal(ours["optimizer_state_dict"]["state"][index]["step"], entry["step"])
+            assert ours["optimizer_state_dict"]["state"][index]["step"] == entry["step"]  # a tensor or an int
             held = _held(shapes[index], rank)
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.allclose(ours["optimizer_state_dict"]["state"][index][key][held], entry[key][held],
