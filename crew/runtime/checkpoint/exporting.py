@@ -14,6 +14,8 @@ from crew.runtime.checkpoint.collective import agree, attempt
 from crew.runtime.checkpoint.deepspeed_files import is_deepspeed_tag
 from crew.runtime.checkpoint.integrity import Verifier
 from crew.runtime.checkpoint.layout import (
+    CREW_STATE,
+    DEEPSPEED_LAYOUT,
     MANIFEST,
     SHARDED,
     SHARDED_DIR,
@@ -67,7 +69,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
     sharded checkpoint (stage 3) is consolidated here, in this one process; so is DeepSpeed's (its fp32
     master weights)."""
     folder = Path(checkpoint)
-    if not (folder / MANIFEST).is_file() and not is_deepspeed_tag(folder):
+    if not (folder / MANIFEST).is_file() and not _deepspeeds(folder):
         tag = read_latest(folder)
         if tag is None:
             raise CheckpointError(f"{folder} is neither a checkpoint tag folder (no {MANIFEST}, no DeepSpeed "
@@ -77,14 +79,24 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
     return folder
 
 
+def _deepspeeds(folder: Path) -> bool:
+    """A tag DeepSpeed wrote (not crew's in DeepSpeed's layout whose manifest is missing: an incomplete one)."""
+    return is_deepspeed_tag(folder) and not (folder / CREW_STATE).is_file()
+
+
 def read_fp32_module(folder: Path) -> dict[str, torch.Tensor]:
     """A tag folder's whole module state, floating-point tensors in fp32, whatever its ZeRO stage."""
     from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stage 3 pays its import
-    if is_deepspeed_tag(folder):
+    if _deepspeeds(folder):
         return deepspeed_format.read_fp32_module(folder)
     manifest = read_manifest(folder)
     verifier = Verifier(folder, manifest)
-    if manifest["format"] == SHARDED:
+    if manifest["format"] == DEEPSPEED_LAYOUT:  # crew's checkpoint in DeepSpeed's files
+        for name in manifest.get("files") or {}:
+            if name.endswith("_states.pt"):
+                verifier.check(folder / name)
+        module = deepspeed_format.read_fp32_module(folder)
+    elif manifest["format"] == SHARDED:
         module, _ = checkpoint_sharded.read_full(folder / SHARDED_DIR, verifier)
     else:
         for name in model_state_files(manifest):

@@ -25,7 +25,9 @@ MODEL_STATES = "model_states.{part}-of-{parts}.pt"
 CLIENT_STATE = "client_state.pt"
 ENGINE_STATE = "engine_state.pt"  # stage 3: what is not in the sharded folder
 SHARDED_DIR = "sharded"
-REPLICATED, SHARDED = "replicated", "sharded"  # the manifest's "format"
+CREW_STATE = "crew_state.pt"  # DeepSpeed's layout: what crew keeps beyond DeepSpeed's files (deepspeed_writing.py)
+# the manifest's "format": DeepSpeed 0.19.8's files (crew >= 0.2); crew 0.1's own files at stages 0-2, and at 3
+DEEPSPEED_LAYOUT, REPLICATED, SHARDED = "deepspeed", "replicated", "sharded"
 CHECKSUM = "crc32"  # the manifest's "files": {name: {"bytes": n, "crc32": hex}}; see README
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 _RENAME_EXCHANGE = 2
@@ -128,15 +130,20 @@ class HashingWriter:
         return {"bytes": self.size, CHECKSUM: self.digest.hexdigest()}
 
 
-def write_atomic(path: Path, data: bytes | None = None, obj: Any = None) -> dict:
+def write_atomic(path: Path, data: bytes | None = None, obj: Any = None, pickle_module: Any = None) -> dict:
     """Write under a temporary name, fsync, rename: `path` is either the old or the new file.
-    Returns its size and checksum."""
+    Returns its size and checksum. `pickle_module`: torch.save's (deepspeed_writing.DEEPSPEED_PICKLE)."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
             writer = HashingWriter(handle)
             try:
-                torch.save(obj, writer) if obj is not None else writer.write(data)
+                if obj is None:
+                    writer.write(data)
+                elif pickle_module is None:
+                    torch.save(obj, writer)
+                else:
+                    torch.save(obj, writer, pickle_module=pickle_module)
                 handle.flush()
             except Exception:
                 if writer.error is not None:
@@ -228,7 +235,7 @@ def read_manifest(folder: Path) -> dict:
     manifest = _parsed(path) if path.is_file() else {}
     manifest.setdefault("format", REPLICATED)  # checkpoints from before ZeRO stages 1-3
     manifest.setdefault("zero_stage", 0)
-    if manifest["format"] not in (REPLICATED, SHARDED):
+    if manifest["format"] not in (DEEPSPEED_LAYOUT, REPLICATED, SHARDED):
         raise CheckpointError(f"{path}: unknown checkpoint format "
                               f"{manifest['format']!r}; it was written by a newer crew, upgrade crew")
     return manifest

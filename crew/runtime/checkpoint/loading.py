@@ -15,8 +15,11 @@ from crew.runtime.checkpoint import deepspeed_format
 from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere, where
 from crew.runtime.checkpoint.deepspeed_files import is_deepspeed_tag
 from crew.runtime.checkpoint.integrity import Verifier, identity, share_out
+from crew.runtime.checkpoint.deepspeed_files import MODEL_STATES as DEEPSPEED_MODEL_STATES
 from crew.runtime.checkpoint.layout import (
     CLIENT_STATE,
+    CREW_STATE,
+    DEEPSPEED_LAYOUT,
     ENGINE_STATE,
     MANIFEST,
     SHARDED,
@@ -48,13 +51,15 @@ def load(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_sta
     what = f"load_checkpoint({load_dir}, tag={tag})"
     optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     states: dict = {}
-    if is_deepspeed_tag(folder):  # a DeepSpeed 0.19 checkpoint: read into the same states (deepspeed_format.py)
+    # a DeepSpeed 0.19 checkpoint (not crew's in its layout): read into the same states (deepspeed_format.py)
+    if is_deepspeed_tag(folder) and not (folder / CREW_STATE).is_file():
         agree(attempt(deepspeed_format.read_for_load, engine, folder, states, load_optimizer_states,
                       load_lr_scheduler_states, load_module_only), what)
     else:
         agree(attempt(_locate, engine, folder, states, from_latest), what)
         agree(attempt(_verify, states, share_out(states.get("identities", []))), what)
-        agree(attempt(_read_all, engine, folder, states, optimizer), what)
+        agree(attempt(_read_all, engine, folder, states, optimizer, load_optimizer_states,
+                      load_lr_scheduler_states, load_module_only), what)
     agree(attempt(_check_fits, engine, states, folder, load_module_strict), what)
     if optimizer:
         agree(attempt(_prepare_optimizer_state, engine, states, folder), what)
@@ -97,9 +102,14 @@ def _locate(engine, folder: Path, states: dict, from_latest: bool) -> None:
     """The manifest, and the files this rank reads, each there (states["reads"])."""
     _check_complete(folder, from_latest)
     manifest = read_manifest(folder)
+    verifier = Verifier(folder, manifest)  # checks the manifest's "files" before they name what to read
     sharded = manifest["format"] == SHARDED
-    names = [CLIENT_STATE]
-    names += [ENGINE_STATE, f"{SHARDED_DIR}/.metadata"] if sharded else model_state_files(manifest)
+    if manifest["format"] == DEEPSPEED_LAYOUT:  # DeepSpeed's files (every rank reads every optimizer file)
+        names = [DEEPSPEED_MODEL_STATES, CREW_STATE] + sorted(
+            name for name in manifest.get("files") or {} if name.endswith("optim_states.pt"))
+    else:
+        names = [CLIENT_STATE]
+        names += [ENGINE_STATE, f"{SHARDED_DIR}/.metadata"] if sharded else model_state_files(manifest)
     if sharded:  # every rank may read a piece of any shard file (replicated tensors are in one of them)
         names += [name for name in manifest.get("files") or {} if name.startswith(f"{SHARDED_DIR}/__")]
     missing = [name for name in names if not (folder / name).is_file()]
@@ -115,7 +125,7 @@ def _locate(engine, folder: Path, states: dict, from_latest: bool) -> None:
             f"{rank_file} is missing (rank {comm.get_rank()} was saved on {saved_on}): the save dir "
             "is not shared between nodes; load with the same ranks on the same hosts, or copy it")
     reads = [folder / name for name in names] + ([rank_file] if same_world else [])
-    states.update(manifest=manifest, verifier=Verifier(folder, manifest), reads=reads,
+    states.update(manifest=manifest, verifier=verifier, reads=reads,
                   identities=[identity(path, shared=path.parent.name == SHARDED_DIR) for path in reads],
                   rank_file=rank_file if same_world else None)
 
@@ -129,8 +139,12 @@ def _verify(states: dict, mine: list[bool]) -> None:
             states["verifier"].checked_elsewhere(path)
 
 
-def _read_all(engine, folder: Path, states: dict, optimizer: bool) -> None:
+def _read_all(engine, folder: Path, states: dict, optimizer: bool, load_optimizer_states: bool = True,
+              load_lr_scheduler_states: bool = True, module_only: bool = False) -> None:
     manifest = states["manifest"]
+    if manifest["format"] == DEEPSPEED_LAYOUT:
+        _read_deepspeed_layout(engine, folder, states, load_optimizer_states, load_lr_scheduler_states, module_only)
+        return
     sharded = manifest["format"] == SHARDED
     states["model"] = read(folder / ENGINE_STATE) if sharded else read_model_states(folder, manifest)
     if sharded:
@@ -139,6 +153,27 @@ def _read_all(engine, folder: Path, states: dict, optimizer: bool) -> None:
         states["shapes"] = {name: tuple(value.shape) for name, value in states["model"]["module"].items()}
     states["client"] = read(folder / CLIENT_STATE)
     states["rank"] = read(states["rank_file"]) if states["rank_file"] is not None else None
+
+
+def _read_deepspeed_layout(engine, folder: Path, states: dict, load_optimizer_states: bool,
+                           load_lr_scheduler_states: bool, module_only: bool) -> None:
+    """crew's checkpoint in DeepSpeed's files: read as DeepSpeed's (deepspeed_format.py), then crew's own state
+    beside them (crew_state.pt, rank<R>.pt) makes the resume exact, and client_state what the save was given."""
+    mine = {key: states[key] for key in ("manifest", "verifier", "rank_file")}
+    deepspeed_format.read_for_load(engine, folder, states, load_optimizer_states, load_lr_scheduler_states,
+                                   module_only)
+    extras = read(folder / CREW_STATE)
+    model = states["model"]
+    for key in ("precision", "micro_steps", "boundary_override", "micro_batch_sizes", "world_size"):
+        model[key] = extras[key]
+    optimizer = model.get("optimizer")
+    if optimizer is not None and "optimizer_groups" in extras:  # crew's own groups and steps, exactly
+        optimizer["param_groups"] = extras["optimizer_groups"]
+        for name, step in extras["optimizer_steps"].items():
+            optimizer["state"].setdefault(name, {})["step"] = step
+    shadowed, client = extras["client_shadowed"], states["client"]  # client: the model file's other keys
+    states["client"] = {key: shadowed[key] if key in shadowed else client[key] for key in extras["client_keys"]}
+    states.update(mine, model=model, rank=read(mine["rank_file"]) if mine["rank_file"] is not None else None)
 
 
 def _check_complete(folder: Path, from_latest: bool) -> None:
@@ -307,7 +342,7 @@ def _load_the_rest(engine, states: dict, scheduler: bool, module_only: bool) -> 
     engine._boundary_override = saved.get("boundary_override")  # set_gradient_accumulation_boundary's, sticky
     if engine.balancer is not None:  # before the loader's position: that is counted in micro steps
         engine.balancer.restore(saved.get("micro_batch_sizes"))
-    if states["manifest"]["format"] == deepspeed_format.DEEPSPEED:
+    if states["manifest"]["format"] == deepspeed_format.DEEPSPEED and "crew_version" not in states["manifest"]:
         log_rank0("DeepSpeed checkpoint (ZeRO stage %d, %d ranks) loaded at stage %d on %d ranks; DeepSpeed saves "
                   "no RNG states or data position", states["manifest"]["zero_stage"], saved["world_size"],
                   engine.zero.stage, comm.get_world_size())

@@ -18,9 +18,13 @@ import torch
 from crew import __version__
 from crew.log import log_rank0, warn_once
 from crew.runtime import comm
+from crew.runtime.checkpoint import deepspeed_writing
 from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere
+from crew.runtime.checkpoint.deepspeed_files import MODEL_STATES as DEEPSPEED_MODEL_STATES
 from crew.runtime.checkpoint.layout import (
     CLIENT_STATE,
+    CREW_STATE,
+    DEEPSPEED_LAYOUT,
     ENGINE_STATE,
     MANIFEST,
     MODEL_STATES,
@@ -103,7 +107,8 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
                  client_state: dict | None, save_latest: bool, exclude_frozen: bool = False) -> None:
     shared = _detect_shared(save_dir, staging, token)
     what = f"save_checkpoint({save_dir}, tag={tag})"
-    sharded = engine.zero.shards_params
+    layout = _layout(engine)
+    sharded = layout == SHARDED
     if sharded and not shared:
         shutil.rmtree(staging, ignore_errors=True)  # each node's own, holding only the marker
         raise CheckpointError(
@@ -113,11 +118,12 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
     if sharded and engine.optimizer is None:
         raise CheckpointError(f"{what}: a model-only engine (no optimizer) cannot save a ZeRO stage 3 checkpoint "
                               "yet. Save its weights with engine.save_16bit_model(save_dir) instead.")
-    part, parts = _my_part(shared, split=engine.zero.stage == 0)
+    part, parts = _my_part(shared, split=layout == REPLICATED and engine.zero.stage == 0)
     optimizer_state = None if sharded else _whole_optimizer_state(engine, writer=part is not None)
     masters = None if sharded else gathered_masters(engine, keep=part is not None)  # stage 2: a collective
     written: dict[str, dict] = {}  # path in the tag -> size and checksum, of this rank's files
-    agree(attempt(_write_files, engine, staging, client_state or {}, part, parts, optimizer_state,
+    write = _write_deepspeed_files if layout == DEEPSPEED_LAYOUT else _write_files
+    agree(attempt(write, engine, staging, client_state or {}, part, parts, optimizer_state,
                   written, exclude_frozen, masters), what)
     if sharded:
         agree(attempt(_write_shards, engine, staging, written, exclude_frozen), what)
@@ -126,9 +132,22 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
     comm.barrier()  # every rank's files are on disk before any tag appears
     problem = None
     if part == 0:  # the rank that wrote the shared files commits
-        problem = attempt(lambda: _commit(engine, staging, save_dir, tag, save_latest, hosts,
-                                          None if sharded else parts, _files_here(staging, every_rank_wrote)))
+        problem = attempt(lambda: _commit(engine, staging, save_dir, tag, save_latest, hosts, layout, parts,
+                                          _files_here(staging, every_rank_wrote)))
     agree(problem, what)
+
+
+def _layout(engine) -> str:
+    """DeepSpeed's files (deepspeed_writing.py), but where crew does not write DeepSpeed's layout yet: stage 3
+    (one sharded DCP folder), fp16 at stage 0 (FP16_Optimizer's flat groups), and an optimizer that steps tensors
+    which are not the model's parameters (DeepSpeed's files name them)."""
+    if engine.zero.shards_params:
+        return SHARDED
+    if engine.zero.stage == 0 and engine.precision.dtype == torch.float16 and engine.optimizer is not None:
+        return REPLICATED
+    if engine.optimizer is not None and optimizer_param_names(engine) is None:
+        return REPLICATED
+    return DEEPSPEED_LAYOUT
 
 
 def _tag_problem(tag: str) -> str | None:
@@ -200,6 +219,38 @@ def _write_files(engine, staging: Path, client_state: dict, part: int | None, pa
         shard = split_state(_engine_state(engine, optimizer_state, exclude_frozen, masters), parts)[part]
         name = MODEL_STATES.format(part=part, parts=parts)
         written[name] = write_atomic(staging / name, obj=shard)
+    name = f"rank{comm.get_rank()}.pt"
+    written[name] = write_atomic(staging / name, obj=_rank_state(engine))
+
+
+def _write_deepspeed_files(engine, staging: Path, client_state: dict, part: int | None, parts: int,
+                           optimizer_state: dict | None, written: dict, exclude_frozen: bool = False,
+                           masters: dict | None = None) -> None:
+    """DeepSpeed's files and crew's own beside them (crew_state.pt) by the writer (rank 0, or each node's first
+    rank without a shared filesystem: then every node has every file a load there reads); each rank its rank file."""
+    if part is not None:
+        _client_state_bytes(client_state)  # the same check as crew's own layout: weights_only loadable
+        fp32 = fp32_module_state(engine, masters)
+        names = optimizer_param_names(engine)
+        extras = {**_common_state(engine), "optimizer_param_names": names, "client_keys": list(client_state),
+                  "client_shadowed": {key: value for key, value in client_state.items()
+                                      if key in deepspeed_writing.ENGINE_KEYS}}
+        if engine.optimizer is None or not optimizer_state["param_groups"]:
+            optimizer_state = names = None  # a model-only engine: DeepSpeed saves no optimizer either
+        else:  # what DeepSpeed's files cannot say as crew has it: its groups, each parameter's own step
+            extras["optimizer_groups"] = groups_by_name(engine)
+            extras["optimizer_steps"] = {names[index]: entry["step"] for index, entry in
+                                         optimizer_state["state"].items() if "step" in entry}
+            optimizer_state = deepspeed_writing.as_deepspeeds(engine, optimizer_state)
+        model = deepspeed_writing.model_states(engine, fp32, optimizer_state, names, exclude_frozen, client_state)
+        written[DEEPSPEED_MODEL_STATES] = write_atomic(staging / DEEPSPEED_MODEL_STATES, obj=model)
+        if engine.zero.stage >= 1 and optimizer_state is not None:
+            bf16 = engine.precision.dtype == torch.bfloat16
+            for rank, content in enumerate(deepspeed_writing.optim_states(engine, fp32, optimizer_state, names)):
+                name = deepspeed_writing.optim_file(rank, bf16)
+                written[name] = write_atomic(staging / name, obj=content,
+                                             pickle_module=deepspeed_writing.DEEPSPEED_PICKLE)
+        written[CREW_STATE] = write_atomic(staging / CREW_STATE, obj=extras)
     name = f"rank{comm.get_rank()}.pt"
     written[name] = write_atomic(staging / name, obj=_rank_state(engine))
 
@@ -292,12 +343,12 @@ def _files_here(staging: Path, every_rank_wrote: list[dict]) -> dict:
 
 
 def _commit(engine, staging: Path, save_dir: Path, tag: str, save_latest: bool,
-            hosts: list[str], parts: int | None, files: dict) -> None:
-    """Manifest, rename into place, `latest`, keep_last. `parts`: None for a sharded checkpoint."""
+            hosts: list[str], layout: str, parts: int, files: dict) -> None:
+    """Manifest, rename into place, `latest`, keep_last."""
     manifest = {"tag": tag, "world_size": engine.world_size, "global_steps": engine.global_steps,
                 "crew_version": __version__, "hosts": hosts, "zero_stage": engine.zero.stage,
-                "format": SHARDED if parts is None else REPLICATED}
-    if parts is not None:
+                "format": layout}
+    if layout == REPLICATED:
         manifest["model_states_parts"] = parts
     manifest["files"] = files
     write_atomic(staging / MANIFEST, data=json.dumps(manifest, indent=1).encode())

@@ -304,8 +304,8 @@ KILLER = """
 
 @pytest.mark.parametrize("kill_file, kill_rank, expected", [
     ("rank1.pt", 1, "first"),              # a rank dies writing its own file
-    ("model_states.0-of-2.pt", 0, "first"),  # rank 0 dies writing its part of the shared state
-    ("model_states.1-of-2.pt", 1, "first"),  # rank 1 dies writing its part
+    ("mp_rank_00_model_states.pt", 0, "first"),  # rank 0 dies writing DeepSpeed's model states
+    ("crew_state.pt", 0, "first"),         # or crew's own beside them
     ("crew_checkpoint.json", 0, "first"),  # dies while committing, before the rename
     ("latest", 0, "first"),                # dies after the new tag is in place, before `latest`
 ])

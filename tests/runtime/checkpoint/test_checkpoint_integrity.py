@@ -48,7 +48,7 @@ def test_the_manifest_lists_every_file_with_its_size_and_crc32(saved):
     tag = saved / TAG2
     files = manifest_of(tag)["files"]
     on_disk = {p.name for p in tag.iterdir()} - {"crew_checkpoint.json"}
-    assert set(files) == on_disk == {"client_state.pt", "model_states.0-of-1.pt", "rank0.pt"}
+    assert set(files) == on_disk == {"crew_state.pt", "mp_rank_00_model_states.pt", "rank0.pt"}
     for name, entry in files.items():
         data = (tag / name).read_bytes()
         assert entry == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
@@ -64,7 +64,7 @@ def test_write_atomic_hashes_large_writes_on_the_side_and_small_ones_inline(tmp_
     assert torch.equal(torch.load(tmp_path / "state.pt", weights_only=True)["big"], state["big"])
 
 
-@pytest.mark.parametrize("name", ["model_states.0-of-1.pt", "client_state.pt", "rank0.pt"])
+@pytest.mark.parametrize("name", ["mp_rank_00_model_states.pt", "crew_state.pt", "rank0.pt"])
 def test_flipped_bytes_in_any_file_the_load_reads_are_named_with_the_fix(saved, name):
     flip(saved / TAG2 / name)
     with pytest.raises(Exception) as raised:
@@ -78,7 +78,7 @@ def test_flipped_bytes_in_any_file_the_load_reads_are_named_with_the_fix(saved, 
 
 
 def test_a_truncated_file_is_named_by_its_size(saved):
-    target = saved / TAG2 / "model_states.0-of-1.pt"
+    target = saved / TAG2 / "mp_rank_00_model_states.pt"
     size = target.stat().st_size
     target.write_bytes(target.read_bytes()[:100])
     with pytest.raises(Exception, match=re.escape(f"{target} is damaged: it has 100 bytes, the save wrote {size}")):
@@ -101,7 +101,7 @@ def test_a_checkpoint_without_checksums_loads_unchecked_and_quietly(saved):
         logging.getLogger("crew").removeHandler(handler)
     assert path == str(saved / TAG2) and client == {"step": 2} and engine.global_steps == 2
     assert said == []
-    target = saved / TAG2 / "model_states.0-of-1.pt"  # unchecked, a torn file still fails in torch
+    target = saved / TAG2 / "mp_rank_00_model_states.pt"  # unchecked, a torn file still fails in torch
     target.write_bytes(target.read_bytes()[:100])
     with pytest.raises(Exception, match=rf"{target} cannot be read .* truncated, corrupted"):
         load(saved)
@@ -170,9 +170,9 @@ def test_a_malformed_manifest_is_named_with_the_json_problem_and_the_fix(saved, 
 def test_export_checks_the_files_too(saved, tmp_path_factory):
     from crew.runtime.checkpoint import export
 
-    flip(saved / TAG2 / "model_states.0-of-1.pt")
+    flip(saved / TAG2 / "mp_rank_00_model_states.pt")
     out = tmp_path_factory.mktemp("out") / "model.pt"
-    with pytest.raises(Exception, match=r"model_states.0-of-1.pt is damaged: its crc32 differs"):
+    with pytest.raises(Exception, match=r"mp_rank_00_model_states.pt is damaged: its crc32 differs"):
         export(saved, out)
     (saved / "latest").write_text("")
     with pytest.raises(Exception, match=r"latest is empty"):
@@ -228,8 +228,7 @@ def test_two_ranks_share_the_hashing_clean_up_a_failed_save_and_fail_together_on
     ranks = run_ranks(two_rank_world, 2, str(folder))
     # both ranks read all of first's shared files; each is hashed once, by one of them
     hashed = ranks[0]["hashed"] + ranks[1]["hashed"]
-    assert sorted(hashed) == ["client_state.pt", "model_states.0-of-2.pt", "model_states.1-of-2.pt",
-                              "rank0.pt", "rank1.pt"]
+    assert sorted(hashed) == ["crew_state.pt", "mp_rank_00_model_states.pt", "rank0.pt", "rank1.pt"]
     assert "rank0.pt" in ranks[0]["hashed"] and "rank1.pt" in ranks[1]["hashed"]
     for result in ranks:
         assert "save_checkpoint" in result["save_error"] and "rank 1" in result["save_error"]

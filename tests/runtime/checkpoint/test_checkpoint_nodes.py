@@ -90,8 +90,9 @@ TRAIN = """
 """
 
 HOSTS = ["127.0.0.2", "127.0.0.3"]
-SHARED_FILES = {"client_state.pt", "crew_checkpoint.json"}
-ONE_NODE_COPY = SHARED_FILES | {"model_states.0-of-1.pt"}  # a node with one rank writes all of it
+# DeepSpeed's model states (stage 0: the optimizer is in it) and crew's own beside them
+SHARED_FILES = {"mp_rank_00_model_states.pt", "crew_state.pt", "crew_checkpoint.json"}
+ONE_NODE_COPY = SHARED_FILES  # a node's first rank writes all of it
 
 
 def _isolation_unavailable() -> str | None:
@@ -160,7 +161,7 @@ def test_each_node_writes_its_own_ranks_files_to_its_local_save_dir(nodes, job_d
         manifest = json.loads((tag / "crew_checkpoint.json").read_text())
         assert manifest["world_size"] == 2 and manifest["hosts"] == HOSTS
         # each node's rank wrote the node's copy of the shared files
-        assert any("model_states.0-of-1.pt" in name for name in saved[rank]["written"]), saved[rank]
+        assert any("mp_rank_00_model_states.pt" in name for name in saved[rank]["written"]), saved[rank]
 
 
 def test_same_placement_loads_and_resumes_bitwise(nodes, job_dir):
@@ -200,20 +201,18 @@ def test_swapped_placement_names_the_missing_files_and_says_not_shared(nodes, jo
     assert "the save dir is not shared between nodes" in result.err
 
 
-def test_shared_filesystem_splits_the_shared_state_over_the_ranks(job_dir):
+def test_shared_filesystem_writes_the_shared_files_once(job_dir):
     write_script(job_dir, "train.py", TRAIN)
     result = crew("run", "--num_gpus", "2", "train.py", "--steps", "3", "--save", "--out", "local",
                   cwd=job_dir)
     assert result.code == 0, result.err
     tag = job_dir / "ckpt" / "global_step3"
-    parts = {"model_states.0-of-2.pt", "model_states.1-of-2.pt"}
-    assert {p.name for p in tag.iterdir()} == SHARED_FILES | parts | {"rank0.pt", "rank1.pt"}
+    assert {p.name for p in tag.iterdir()} == SHARED_FILES | {"rank0.pt", "rank1.pt"}
     assert sorted(p.name for p in (job_dir / "ckpt").iterdir()) == ["global_step3", "latest"]
     rank0, rank1 = results(job_dir, "local")
-    # each rank serialises its own part of the replicated state; client_state once, by rank 0
-    assert sum("model_states.0-of-2.pt" in name for name in rank0["written"]) == 1, rank0["written"]
-    assert sum("model_states.1-of-2.pt" in name for name in rank1["written"]) == 1, rank1["written"]
-    assert not any("model_states.0-of-2" in n or "client_state.pt" in n for n in rank1["written"]), \
+    # DeepSpeed's layout is one model states file: rank 0 writes it and crew's state; each rank its own file
+    assert sum("mp_rank_00_model_states.pt" in name for name in rank0["written"]) == 1, rank0["written"]
+    assert not any("mp_rank_00" in n or "crew_state.pt" in n for n in rank1["written"]), \
         f"rank 1 wrote rank 0's files on a shared filesystem: {rank1['written']}"
     assert any("rank1.pt" in name for name in rank1["written"])
 

@@ -185,11 +185,13 @@ def test_manifest_names_stage_and_format(worlds):
         manifest = json.loads((folder / "crew_checkpoint.json").read_text())
         return manifest, {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
 
-    common = {"crew_checkpoint.json", "client_state.pt", "rank0.pt", "rank1.pt"}
-    for stage in (1, 2):
+    common = {"crew_checkpoint.json", "rank0.pt", "rank1.pt"}
+    for stage, prefix in ((1, ""), (2, "bf16_")):  # DeepSpeed's files (stage 2 runs bf16), crew's beside
         manifest, files = tag(stage)
-        assert (manifest["zero_stage"], manifest["format"]) == (stage, "replicated")
-        assert files == common | {"model_states.0-of-1.pt"}  # whole, by the rank it was consolidated to
+        assert (manifest["zero_stage"], manifest["format"]) == (stage, "deepspeed")
+        assert files == common | {"crew_state.pt", "mp_rank_00_model_states.pt"} | {
+            f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)}
+    common.add("client_state.pt")
     manifest, files = tag(3)
     assert (manifest["zero_stage"], manifest["format"]) == (3, "sharded")
     assert files == common | {"engine_state.pt", "sharded/.metadata", "sharded/__0_0.distcp",
@@ -328,12 +330,16 @@ def test_save_16bit_model_at_stage3_gathers_bf16_weights(worlds):
 
 # -- what cannot work says so ---------------------------------------------------------------------
 
-def test_a_checkpoint_without_parameter_names_names_both_stages(tmp_path):
-    """A stage 0 checkpoint from before parameter names were saved: its optimizer state cannot
-    be placed in a stage 3 engine; the weights still load."""
+def test_a_checkpoint_without_parameter_names_names_both_stages(tmp_path, monkeypatch):
+    """A stage 0 checkpoint from before parameter names were saved (crew 0.1's layout): its optimizer state
+    cannot be placed in a stage 3 engine; the weights still load."""
+    from crew.runtime.checkpoint import saving
+
     engine, stream = build(zero_config(0))
     train(engine, stream, 1)
-    engine.save_checkpoint(tmp_path)
+    with monkeypatch.context() as patch:
+        patch.setattr(saving, "_layout", lambda engine: "replicated")  # the writer of crew 0.1's layout
+        engine.save_checkpoint(tmp_path)
     states = tmp_path / "global_step1" / "model_states.0-of-1.pt"
     old = torch.load(states, weights_only=True)
     del old["optimizer_param_names"]
@@ -475,8 +481,11 @@ def test_without_a_shared_filesystem_stage2_saves_per_node_and_stage3_refuses(tm
         assert result["resumed"] == result["continued"]
         tag = f"global_step{SAVE_AT}"
         recovery = ["zero_to_fp32.py"] if rank == 0 else []  # written by global rank 0, as DeepSpeed's
-        assert result["files"] == sorted(["latest", tag, f"{tag}/client_state.pt", f"{tag}/crew_checkpoint.json",
-                                          f"{tag}/model_states.0-of-1.pt", f"{tag}/rank{rank}.pt", *recovery])
+        # each node holds every file a load there reads: DeepSpeed's, both ranks' optimizer files included
+        optim = [f"{tag}/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+        assert result["files"] == sorted(["latest", tag, f"{tag}/crew_state.pt", f"{tag}/crew_checkpoint.json",
+                                          f"{tag}/mp_rank_00_model_states.pt", *optim, f"{tag}/rank{rank}.pt",
+                                          *recovery])
         assert result["error"].startswith("CheckpointError")
         assert ("ZeRO stage 3 checkpoints are written as one sharded checkpoint; save_dir must be on "
                 f"a filesystem every node shares, and {tmp_path / 'ckpt'} is not") in result["error"]
@@ -493,9 +502,10 @@ def test_the_recovery_script_beside_the_tags_converts_them(worlds, tmp_path):
     folder, ranks = worlds[2]
     script = folder / "zero_to_fp32.py"
     assert os.access(script, os.X_OK)
-    proc = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "weights.pt"), "-t",
+    proc = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "weights"), "-t",
                            f"global_step{SAVE_AT}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    converted = torch.load(tmp_path / "weights.pt", weights_only=True)
+    out = tmp_path / "weights"  # DeepSpeed 0.19's zero_to_fp32.py writes into an output folder
+    converted = torch.load(out / "pytorch_model.bin" if out.is_dir() else out, weights_only=True)
     assert converted.keys() == ranks[0]["saved"]["model"].keys()
     assert all(torch.equal(converted[name], value) for name, value in ranks[0]["saved"]["model"].items())

@@ -1,0 +1,283 @@
+"""crew's state as the files of a DeepSpeed 0.19.8 tag (deepspeed_files.py names them), with DeepSpeed's keys,
+so that DeepSpeed's load_checkpoint, zero_to_fp32.py and ds_to_universal read a crew checkpoint (stages 0-2;
+stage 3's per-rank content comes from deepspeed_zero3.py).
+
+    mp_rank_00_model_states.pt    deepspeed/runtime/engine.py _save_checkpoint: the module in its training dtype,
+                                  buffer_names, at stage 0 the optimizer (under bf16 FP16_UnfusedOptimizer's
+                                  state_dict with the fp32 copies), at stages 1-2 param_shapes and shared_params
+                                  (stage 2: the frozen parameters too), the counters, the scheduler, ds_config,
+                                  ds_version, and client_state's keys
+    [bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt
+                                  _save_zero_checkpoint around zero/stage_1_and_2.py state_dict: rank R's
+                                  partition of every param group flattened (padded to nccl_start_alignment_factor
+                                  x world), the base optimizer's state over it, the loss scaler, group_paddings,
+                                  partition_count, param_slice_mappings, ...
+
+DeepSpeed pickles three of its own classes into these files (ZeroStageEnum, LossScaler/DynamicLossScaler,
+fragment_address). crew writes its stand-ins (deepspeed_files.STAND_INS) under DeepSpeed's names with a pickler
+of its own, so deepspeed need not be installed to write them and DeepSpeed unpickles its own classes.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import types
+from collections import OrderedDict
+
+import torch
+
+from crew.runtime.checkpoint.deepspeed_files import (
+    STAND_INS,
+    DynamicLossScaler,
+    FragmentAddress,
+    LossScaler,
+    ZeroStageEnum,
+)
+
+DS_VERSION = "0.19.8"  # the DeepSpeed whose layout crew writes
+ALIGNMENT_FACTOR = 2  # stage_1_and_2.py nccl_start_alignment_factor: partitions start 4-byte aligned in fp16
+# _common_checkpoint_state's keys (engine.py): a client_state key of the same name would replace them
+ENGINE_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+               "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
+               "global_steps", "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions",
+               "ds_config", "ds_version")
+_NAMES = {cls: name.rsplit(".", 1) for cls, name in STAND_INS}
+
+
+class _Pickler(pickle._Pickler):
+    """pickle's Python pickler, writing crew's stand-ins as DeepSpeed's classes (the C pickler insists that the
+    module it names can be imported here)."""
+
+    def save_global(self, obj, name=None):
+        if obj not in _NAMES:
+            return super().save_global(obj, name)
+        module, qualname = _NAMES[obj]
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
+
+
+# torch.save(..., pickle_module=DEEPSPEED_PICKLE): torch subclasses its Pickler
+DEEPSPEED_PICKLE = types.ModuleType("crew_deepspeed_pickle")
+DEEPSPEED_PICKLE.Pickler = _Pickler
+
+
+def optim_file(rank: int, bf16: bool) -> str:
+    """engine.py _get_rank_zero_ckpt_name (mp rank 0)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def _attributes(cls, **values):
+    obj = cls.__new__(cls)
+    obj.__dict__.update(values)
+    return obj
+
+
+def shared_params(module: torch.nn.Module) -> dict[str, str]:
+    """engine.py _get_shared_params: a tied parameter's other names -> the name it is saved under."""
+    first, shared = {}, {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            shared[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return shared
+
+
+def group_names(optimizer_state: dict, names: list[str]) -> list[list[str]]:
+    """The parameter names of each param group of a torch optimizer state dict (names by its indices)."""
+    return [[names[index] for index in group["params"]] for group in optimizer_state["param_groups"]]
+
+
+def deepspeed_optimizer(engine) -> str | None:
+    """Which optimizer DeepSpeed builds for this config where its state dict differs from torch's: "fused_adam"
+    for "Adam"/"AdamW" without torch_adam, "cpu_adam" for them with offload_optimizer (engine.py
+    _configure_basic_optimizer); None for torch's own and a client optimizer."""
+    raw = engine.crew_config.raw
+    section = raw.get("optimizer") if isinstance(raw.get("optimizer"), dict) else {}
+    params = section.get("params") if isinstance(section.get("params"), dict) else {}
+    if str(section.get("type", "")).lower() not in ("adam", "adamw") or params.get("torch_adam"):
+        return None
+    zero = raw.get("zero_optimization") if isinstance(raw.get("zero_optimization"), dict) else {}
+    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+    return "cpu_adam" if offload.get("device") in ("cpu", "nvme") else "fused_adam"
+
+
+def as_deepspeeds(engine, optimizer_state: dict) -> dict:
+    """A torch Adam state dict as DeepSpeed's FusedAdam (ops/adam/fused_adam.py) or DeepSpeedCPUAdam
+    (ops/adam/cpu_adam.py) keeps it, where the config makes DeepSpeed build one: an int `step` per parameter
+    (their C++ steps take an int), `bias_correction` in every group, and FusedAdam's group `step` (its CUDA build
+    counts there). torch's own group keys stay: crew restores its exact state from crew_state.pt."""
+    kind = deepspeed_optimizer(engine)
+    if kind is None:
+        return optimizer_state
+    state = {index: {key: int(value) if key == "step" else value for key, value in entry.items()}
+             for index, entry in optimizer_state["state"].items()}
+    groups = []
+    for group in optimizer_state["param_groups"]:
+        steps = [state[index]["step"] for index in group["params"] if "step" in state.get(index, {})]
+        extra = {"step": steps[0] if steps else 0} if kind == "fused_adam" else {}
+        groups.append({**group, "bias_correction": group.get("bias_correction", True), **extra})
+    return {"state": state, "param_groups": groups}
+
+
+def model_states(engine, fp32: dict, optimizer_state: dict | None, names: list[str] | None, exclude_frozen: bool,
+                 client_state: dict) -> dict:
+    """mp_rank_00_model_states.pt (stages 0-2). `fp32`: the module's fp32 state (the masters); `optimizer_state`:
+    the whole torch optimizer state dict by index, `names` its parameter names (None: a model-only engine)."""
+    stage = engine.zero.stage
+    module = engine.module
+    trained = set(names or ())
+    frozen = [name for name, param in module.named_parameters() if name not in trained]
+    state = {name: value.detach().cpu() for name, value in module.state_dict().items()}
+    if exclude_frozen:
+        state = {name: value for name, value in state.items()
+                 if name not in {n for n, p in module.named_parameters() if not p.requires_grad}}
+    zero = stage >= 1 and optimizer_state is not None
+    save_frozen = stage == 2 and not exclude_frozen and optimizer_state is not None
+    params = dict(module.named_parameters())
+    out = {
+        "module": state,
+        "buffer_names": [name for name, _ in _persistent_buffers(module)],
+        "optimizer": _stage0_optimizer(engine, fp32, optimizer_state, names) if not zero and optimizer_state
+        is not None else None,
+        "param_shapes": [OrderedDict((name, params[name].shape) for name in group)
+                         for group in group_names(optimizer_state, names)] if zero else None,
+        "frozen_param_shapes": OrderedDict((name, params[name].shape) for name in frozen) if save_frozen else None,
+        "shared_params": shared_params(module) if zero else None,
+        "frozen_param_fragments": OrderedDict((name, params[name].detach().cpu()) for name in frozen)
+        if save_frozen else None,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": engine.precision.skipped_steps,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "dp_world_size": engine.world_size,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": engine.crew_config.raw,
+        "ds_version": DS_VERSION,
+    }
+    out.update({key: value for key, value in client_state.items() if key not in ENGINE_KEYS})
+    return out
+
+
+def _persistent_buffers(module: torch.nn.Module):
+    """engine.py _get_buffer_names: the buffers the state dict holds."""
+    for prefix, child in module.named_modules():
+        for name, buffer in child.named_buffers(recurse=False):
+            if buffer is not None and name not in child._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buffer
+
+
+def _stage0_optimizer(engine, fp32: dict, optimizer_state: dict, names: list[str]) -> dict:
+    """Stage 0: the torch optimizer's state dict (fp32), or under bf16 FP16_UnfusedOptimizer's state_dict
+    (fp16/unfused_optimizer.py) around it, with the fp32 copies by group."""
+    if engine.precision.dtype == torch.float32:
+        return optimizer_state
+    return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_steps,
+            "optimizer_state_dict": optimizer_state,
+            "fp32_groups": [[fp32[name] for name in group] for group in group_names(optimizer_state, names)]}
+
+
+def _partitions(tensors: list[torch.Tensor], world: int) -> tuple[list[torch.Tensor], int]:
+    """A group's tensors flattened, padded to a multiple of ALIGNMENT_FACTOR x world and cut into `world`
+    equal partitions (stage_1_and_2.py flatten_dense_tensors_aligned, get_data_parallel_partitions); and the
+    padding, which the last rank holds."""
+    flat = torch.cat([tensor.detach().reshape(-1).float().cpu() for tensor in tensors])
+    alignment = ALIGNMENT_FACTOR * world
+    padding = math.ceil(flat.numel() / alignment) * alignment - flat.numel()
+    flat = torch.nn.functional.pad(flat, (0, padding))
+    return [piece.clone() for piece in flat.split(flat.numel() // world)], padding
+
+
+def _slice_mappings(shapes: list[torch.Size], group: list[str], rank: int, size: int) -> OrderedDict:
+    """stage_1_and_2.py _create_param_mapping: where each parameter with elements in rank's partition lies."""
+    mapping, offset = OrderedDict(), 0
+    low, high = rank * size, (rank + 1) * size
+    for name, shape in zip(group, shapes, strict=True):
+        start, end = offset, offset + math.prod(shape)
+        if start < high and end > low:
+            mapping[name] = _attributes(FragmentAddress, numel=min(end, high) - max(start, low),
+                                        start=max(start, low) - low)
+        offset = end
+    return mapping
+
+
+def _loss_scaler(engine):
+    scaler = getattr(engine.precision, "scaler", None)
+    if scaler is None or not getattr(scaler, "dynamic", False):
+        return _attributes(LossScaler, cur_scale=float(getattr(scaler, "cur_scale", 1.0)), dynamic=False)
+    return _attributes(DynamicLossScaler, cur_scale=scaler.cur_scale, cur_iter=scaler.cur_iter,
+                       last_overflow_iter=scaler.last_overflow_iter, scale_factor=scaler.scale_factor,
+                       scale_window=scaler.scale_window, min_scale=scaler.min_scale,
+                       delayed_shift=scaler.delayed_shift, cur_hysteresis=scaler.cur_hysteresis,
+                       consecutive_hysteresis=scaler.consecutive_hysteresis, raise_error_at_min_scale=True,
+                       dynamic=True, dtype=torch.float16)
+
+
+def optim_states(engine, fp32: dict, optimizer_state: dict, names: list[str]) -> list[dict]:
+    """Every rank's [bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt content (stages 1-2), in rank order:
+    DeepSpeedZeroOptimizer.state_dict as that rank's optimizer returns it, in _save_zero_checkpoint's dict."""
+    world = engine.world_size
+    groups = group_names(optimizer_state, names)
+    state_by_name = {names[index]: value for index, value in optimizer_state["state"].items()}
+    per_rank = [{"state": {}, "param_groups": []} for _ in range(world)]
+    fp32_parts, paddings, mappings = [[] for _ in range(world)], [], [[] for _ in range(world)]
+    for index, (group, saved) in enumerate(zip(groups, optimizer_state["param_groups"], strict=True)):
+        pieces, padding = _partitions([fp32[name] for name in group], world)
+        paddings.append(padding)
+        hyper = {key: value for key, value in saved.items() if key != "params"}
+        entries = _flat_state([state_by_name.get(name, {}) for name in group], [fp32[name] for name in group],
+                              world)
+        for rank in range(world):
+            lean = pieces[rank].numel() - (padding if rank == world - 1 else 0)
+            fp32_parts[rank].append(pieces[rank][:max(lean, 0)].clone())
+            per_rank[rank]["param_groups"].append({**hyper, "params": [index]})
+            if entries:
+                per_rank[rank]["state"][index] = {key: value[rank] if isinstance(value, list) else _copy(value)
+                                                  for key, value in entries.items()}
+            mappings[rank].append(_slice_mappings([fp32[name].shape for name in group], group, rank,
+                                                  pieces[0].numel()))
+    stage = ZeroStageEnum(engine.zero.stage)
+    files = []
+    for rank in range(world):
+        state_dict = {
+            "loss_scaler": _loss_scaler(engine),
+            "dynamic_loss_scale": engine.precision.dtype == torch.float16 and _loss_scaler(engine).dynamic,
+            "overflow": False,
+            "clip_grad": float(engine.gradient_clipping()),
+            "base_optimizer_state": per_rank[rank],
+            "single_partition_of_fp32_groups": fp32_parts[rank],
+            "zero_stage": stage,
+            "group_paddings": [padding if rank == world - 1 else 0 for padding in paddings],
+            "param_alignment_paddings": [[0] * len(group) for group in groups],
+            "partition_count": [world] * len(groups),
+            "ds_version": DS_VERSION,
+            "param_slice_mappings": mappings[rank],
+        }
+        files.append({"optimizer_state_dict": state_dict, "ds_config": engine.crew_config.raw,
+                      "ds_version": DS_VERSION})
+    return files
+
+
+def _flat_state(states: list[dict], params: list[torch.Tensor], world: int) -> dict:
+    """A group's per-parameter optimizer states as the base optimizer's state over the group's flat partition:
+    each per-element tensor (exp_avg, ...) as the ranks' partitions, a scalar (step) as the first parameter's."""
+    sample = next((state for state in states if state), None)
+    if sample is None:
+        return {}
+    out = {}
+    for key, value in sample.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            tensors = [state[key] if key in state else torch.zeros_like(param, dtype=value.dtype)
+                       for state, param in zip(states, params, strict=True)]
+            out[key] = _partitions(tensors, world)[0]
+        else:
+            out[key] = value
+    return out
+
+
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
