@@ -23,7 +23,7 @@ UNSUPPORTED = {
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine",
     "sparse_attention": "sparse attention (removed from DeepSpeed 0.19 too)",
     "launcher": "DeepSpeed's launcher: `crew run` starts the job",
-    "checkpoint": "DeepSpeed's checkpoint files and their reshaping, which crew's checkpoints do not use",
+    "checkpoint": "DeepSpeed's checkpoint reshaping: where DeepSpeed is installed, its tools read crew's checkpoints",
     "lamb": "DeepSpeed's FusedLamb CUDA kernel",
     "groups": "DeepSpeed's model/sequence/expert-parallel groups",
     "tp_model_init": "tensor parallelism, AutoTP",

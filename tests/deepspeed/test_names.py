@@ -542,9 +542,9 @@ def test_launcher_constants_and_refused_names():
     with pytest.raises(UnsupportedAttribute, match=r"deepspeed.launcher.runner.main \(DeepSpeed's launcher: `crew "
                                                    r"run` starts the job\) is not supported by crew"):
         runner.main  # noqa: B018
-    with pytest.raises(UnsupportedAttribute, match=r"deepspeed.checkpoint.utils.get_model_ckpt_name_for_rank \("
-                                                   "DeepSpeed's checkpoint files"):
-        checkpoint_utils.get_model_ckpt_name_for_rank  # noqa: B018
+    with pytest.raises(UnsupportedAttribute, match=r"deepspeed.checkpoint.utils.DeepSpeedCheckpoint \("
+                                                   "DeepSpeed's checkpoint reshaping"):
+        checkpoint_utils.DeepSpeedCheckpoint  # noqa: B018
 
 
 def test_utils_logger_and_leaf_modules():

@@ -165,3 +165,16 @@ def test_lightnings_converter_on_deepspeed_checkpoints(tmp_path):
     assert len(names) >= 9
     for name in names:
         assert got[name] == EXPECTED["cases"][name]["lightning"], name
+
+
+def test_the_file_names_are_deepspeeds():
+    from crew.deepspeed.checkpoint.utils import (
+        get_layer_ckpt_name_for_rank,
+        get_model_ckpt_name_for_rank,
+        get_zero_ckpt_name_for_rank,
+    )
+
+    tag = CASES["stage2_fp32"] / "my_tag"
+    assert Path(get_model_ckpt_name_for_rank(tag, "00")).is_file()
+    assert [Path(get_zero_ckpt_name_for_rank(tag, rank, 0)).is_file() for rank in (0, 1, 2)] == [True, True, False]
+    assert get_layer_ckpt_name_for_rank("tag", 3, 1) == "tag/3-model_01_model_states.pt"

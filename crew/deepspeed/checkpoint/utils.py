@@ -1,18 +1,33 @@
-"""`deepspeed.checkpoint.utils.clone_tensors_for_torch_save`, as in DeepSpeed 0.19.8.
-
-The file-name helpers of DeepSpeed's module (get_model_ckpt_name_for_rank, ...) name DeepSpeed's
-checkpoint files, which crew's checkpoints do not have: refused by name.
-"""
+"""`deepspeed.checkpoint.utils` as in DeepSpeed 0.19.8: clone_tensors_for_torch_save, and the names of a tag
+folder's files (crew writes DeepSpeed's layout: crew/runtime/checkpoint/deepspeed_writing.py)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from crew.deepspeed.errors import UnsupportedAttribute, unsupported
 
-__all__ = ["clone_tensors_for_torch_save"]
+__all__ = ["clone_tensors_for_torch_save", "get_layer_ckpt_name_for_rank", "get_model_ckpt_name_for_rank",
+           "get_zero_ckpt_name_for_rank"]
 
 _CPU = torch.device("cpu")
+
+
+def get_model_ckpt_name_for_rank(base_folder, mp_rank_str):
+    """base_folder/mp_rank_<mp_rank_str>_model_states.pt (mp_rank_str: "00")."""
+    return os.path.join(base_folder, f"mp_rank_{mp_rank_str}_model_states.pt")
+
+
+def get_zero_ckpt_name_for_rank(base_folder, dp_rank, mp_rank):
+    """base_folder/zero_pp_rank_<dp_rank>_mp_rank_<mp_rank, 2 digits>_optim_states.pt."""
+    return os.path.join(base_folder, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+
+
+def get_layer_ckpt_name_for_rank(base_folder, layer_id, tp_rank):
+    """A pipeline layer's file: base_folder/<layer_id>-model_<tp_rank, 2 digits>_model_states.pt."""
+    return os.path.join(base_folder, f"{layer_id}-model_{tp_rank:02d}_model_states.pt")
 
 
 def clone_tensors_for_torch_save(item, device=_CPU):
