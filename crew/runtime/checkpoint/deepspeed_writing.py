@@ -43,6 +43,10 @@ ENGINE_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_pa
                "global_steps", "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions",
                "ds_config", "ds_version")
 _NAMES = {cls: name.rsplit(".", 1) for cls, name in STAND_INS}
+# the param group keys of DeepSpeed's own optimizers (ops/adam/fused_adam.py, cpu_adam.py __init__'s defaults)
+_GROUP_KEYS = {"fused_adam": ("lr", "bias_correction", "betas", "eps", "weight_decay"),
+               "cpu_adam": ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad")}
+_GROUP_DEFAULTS = {"bias_correction": True, "amsgrad": False}
 
 
 class _Pickler(pickle._Pickler):
@@ -106,8 +110,8 @@ def deepspeed_optimizer(engine) -> str | None:
 def as_deepspeeds(engine, optimizer_state: dict) -> dict:
     """A torch Adam state dict as DeepSpeed's FusedAdam (ops/adam/fused_adam.py) or DeepSpeedCPUAdam
     (ops/adam/cpu_adam.py) keeps it, where the config makes DeepSpeed build one: an int `step` per parameter
-    (their C++ steps take an int), `bias_correction` in every group, and FusedAdam's group `step` (its CUDA build
-    counts there). torch's own group keys stay: crew restores its exact state from crew_state.pt."""
+    (their C++ steps take an int), their group keys (`bias_correction`, not torch's), and FusedAdam's group
+    `step` (its CUDA build counts there). crew restores its own groups and steps from crew_state.pt."""
     kind = deepspeed_optimizer(engine)
     if kind is None:
         return optimizer_state
@@ -116,8 +120,9 @@ def as_deepspeeds(engine, optimizer_state: dict) -> dict:
     groups = []
     for group in optimizer_state["param_groups"]:
         steps = [state[index]["step"] for index in group["params"] if "step" in state.get(index, {})]
+        kept = {key: group.get(key, _GROUP_DEFAULTS.get(key)) for key in _GROUP_KEYS[kind]}
         extra = {"step": steps[0] if steps else 0} if kind == "fused_adam" else {}
-        groups.append({**group, "bias_correction": group.get("bias_correction", True), **extra})
+        groups.append({**kept, **extra, "params": group["params"]})
     return {"state": state, "param_groups": groups}
 
 
@@ -136,7 +141,7 @@ def model_states(engine, fp32: dict, optimizer_state: dict | None, names: list[s
     zero = stage >= 1 and optimizer_state is not None
     save_frozen = stage == 2 and not exclude_frozen and optimizer_state is not None
     params = dict(module.named_parameters())
-    out = {
+    return {
         "module": state,
         "buffer_names": [name for name, _ in _persistent_buffers(module)],
         "optimizer": _stage0_optimizer(engine, fp32, optimizer_state, names) if not zero and optimizer_state
@@ -147,6 +152,13 @@ def model_states(engine, fp32: dict, optimizer_state: dict | None, names: list[s
         "shared_params": shared_params(module) if zero else None,
         "frozen_param_fragments": OrderedDict((name, params[name].detach().cpu()) for name in frozen)
         if save_frozen else None,
+        **common_keys(engine, client_state),
+    }
+
+
+def common_keys(engine, client_state: dict) -> dict:
+    """The model states file's keys of every stage (engine.py _common_checkpoint_state), then client_state's."""
+    out = {
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "data_sampler": None,
         "random_ltd": None,
@@ -172,21 +184,39 @@ def _persistent_buffers(module: torch.nn.Module):
 
 
 def _stage0_optimizer(engine, fp32: dict, optimizer_state: dict, names: list[str]) -> dict:
-    """Stage 0: the torch optimizer's state dict (fp32), or under bf16 FP16_UnfusedOptimizer's state_dict
-    (fp16/unfused_optimizer.py) around it, with the fp32 copies by group."""
+    """Stage 0: the torch optimizer's state dict (fp32); under bf16 FP16_UnfusedOptimizer's state_dict
+    (fp16/unfused_optimizer.py) around it with the fp32 copies by group, or for FusedAdam FP16_Optimizer's
+    (fp16/fused_optimizer.py: engine.py _configure_fp16_optimizer): one flat fp32 tensor a group, the base
+    optimizer's state over it."""
     if engine.precision.dtype == torch.float32:
         return optimizer_state
-    return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_steps,
-            "optimizer_state_dict": optimizer_state,
-            "fp32_groups": [[fp32[name] for name in group] for group in group_names(optimizer_state, names)]}
+    groups = group_names(optimizer_state, names)
+    if deepspeed_optimizer(engine) != "fused_adam":
+        return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_steps,
+                "optimizer_state_dict": optimizer_state,
+                "fp32_groups": [[fp32[name] for name in group] for group in groups]}
+    by_name = {names[index]: value for index, value in optimizer_state["state"].items()}
+    flat = {"state": {}, "param_groups": []}
+    for index, (group, saved) in enumerate(zip(groups, optimizer_state["param_groups"], strict=True)):
+        flat["param_groups"].append({**{k: v for k, v in saved.items() if k != "params"}, "params": [index]})
+        entries = _flat_state([by_name.get(name, {}) for name in group], [fp32[name] for name in group], 1,
+                              alignment=1)
+        if entries:
+            flat["state"][index] = {key: value[0] if isinstance(value, list) else value
+                                    for key, value in entries.items()}
+    return {"optimizer_state_dict": flat,
+            "fp32_groups_flat": [_partitions([fp32[name] for name in group], 1, alignment=1)[0][0]
+                                 for group in groups],
+            "clip_grad": float(engine.gradient_clipping())}
 
 
-def _partitions(tensors: list[torch.Tensor], world: int) -> tuple[list[torch.Tensor], int]:
+def _partitions(tensors: list[torch.Tensor], world: int,
+                alignment: int | None = None) -> tuple[list[torch.Tensor], int]:
     """A group's tensors flattened, padded to a multiple of ALIGNMENT_FACTOR x world and cut into `world`
     equal partitions (stage_1_and_2.py flatten_dense_tensors_aligned, get_data_parallel_partitions); and the
     padding, which the last rank holds."""
     flat = torch.cat([tensor.detach().reshape(-1).float().cpu() for tensor in tensors])
-    alignment = ALIGNMENT_FACTOR * world
+    alignment = alignment or ALIGNMENT_FACTOR * world
     padding = math.ceil(flat.numel() / alignment) * alignment - flat.numel()
     flat = torch.nn.functional.pad(flat, (0, padding))
     return [piece.clone() for piece in flat.split(flat.numel() // world)], padding
@@ -262,7 +292,7 @@ def optim_states(engine, fp32: dict, optimizer_state: dict, names: list[str]) ->
     return files
 
 
-def _flat_state(states: list[dict], params: list[torch.Tensor], world: int) -> dict:
+def _flat_state(states: list[dict], params: list[torch.Tensor], world: int, alignment: int | None = None) -> dict:
     """A group's per-parameter optimizer states as the base optimizer's state over the group's flat partition:
     each per-element tensor (exp_avg, ...) as the ranks' partitions, a scalar (step) as the first parameter's."""
     sample = next((state for state in states if state), None)
@@ -273,7 +303,7 @@ def _flat_state(states: list[dict], params: list[torch.Tensor], world: int) -> d
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             tensors = [state[key] if key in state else torch.zeros_like(param, dtype=value.dtype)
                        for state, param in zip(states, params, strict=True)]
-            out[key] = _partitions(tensors, world)[0]
+            out[key] = _partitions(tensors, world, alignment)[0]
         else:
             out[key] = value
     return out

@@ -15,7 +15,6 @@ from crew.runtime.checkpoint import deepspeed_format
 from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere, where
 from crew.runtime.checkpoint.deepspeed_files import is_deepspeed_tag
 from crew.runtime.checkpoint.integrity import Verifier, identity, share_out
-from crew.runtime.checkpoint.deepspeed_files import MODEL_STATES as DEEPSPEED_MODEL_STATES
 from crew.runtime.checkpoint.layout import (
     CLIENT_STATE,
     CREW_STATE,
@@ -104,9 +103,9 @@ def _locate(engine, folder: Path, states: dict, from_latest: bool) -> None:
     manifest = read_manifest(folder)
     verifier = Verifier(folder, manifest)  # checks the manifest's "files" before they name what to read
     sharded = manifest["format"] == SHARDED
-    if manifest["format"] == DEEPSPEED_LAYOUT:  # DeepSpeed's files (every rank reads every optimizer file)
-        names = [DEEPSPEED_MODEL_STATES, CREW_STATE] + sorted(
-            name for name in manifest.get("files") or {} if name.endswith("optim_states.pt"))
+    if manifest["format"] == DEEPSPEED_LAYOUT:  # DeepSpeed's files: every rank reads every optimizer file
+        listed = manifest.get("files") or {path.name: {} for path in folder.glob("*_states.pt")}
+        names = [CREW_STATE] + sorted(name for name in listed if name.endswith("_states.pt"))
     else:
         names = [CLIENT_STATE]
         names += [ENGINE_STATE, f"{SHARDED_DIR}/.metadata"] if sharded else model_state_files(manifest)

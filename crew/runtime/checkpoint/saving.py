@@ -21,6 +21,7 @@ from crew.runtime import comm
 from crew.runtime.checkpoint import deepspeed_writing
 from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere
 from crew.runtime.checkpoint.deepspeed_files import MODEL_STATES as DEEPSPEED_MODEL_STATES
+from crew.runtime.checkpoint.deepspeed_files import ZERO3_MODEL_STATES
 from crew.runtime.checkpoint.layout import (
     CLIENT_STATE,
     CREW_STATE,
@@ -109,18 +110,19 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
     what = f"save_checkpoint({save_dir}, tag={tag})"
     layout = _layout(engine)
     sharded = layout == SHARDED
-    if sharded and not shared:
+    if engine.zero.shards_params and not shared:
         shutil.rmtree(staging, ignore_errors=True)  # each node's own, holding only the marker
         raise CheckpointError(
             f"{what}: ZeRO stage 3 checkpoints are written as one sharded checkpoint; save_dir "
             f"must be on a filesystem every node shares, and {save_dir} is not (each node sees "
             "only its own files there). Point save_dir at a shared filesystem (NFS, Lustre, ...).")
-    if sharded and engine.optimizer is None:
+    if engine.zero.shards_params and engine.optimizer is None:
         raise CheckpointError(f"{what}: a model-only engine (no optimizer) cannot save a ZeRO stage 3 checkpoint "
                               "yet. Save its weights with engine.save_16bit_model(save_dir) instead.")
     part, parts = _my_part(shared, split=layout == REPLICATED and engine.zero.stage == 0)
-    optimizer_state = None if sharded else _whole_optimizer_state(engine, writer=part is not None)
-    masters = None if sharded else gathered_masters(engine, keep=part is not None)  # stage 2: a collective
+    whole = not engine.zero.shards_params  # stage 3 writes each rank's partition, whole state nowhere
+    optimizer_state = _whole_optimizer_state(engine, writer=part is not None) if whole else None
+    masters = gathered_masters(engine, keep=part is not None) if whole else None  # stage 2: a collective
     written: dict[str, dict] = {}  # path in the tag -> size and checksum, of this rank's files
     write = _write_deepspeed_files if layout == DEEPSPEED_LAYOUT else _write_files
     agree(attempt(write, engine, staging, client_state or {}, part, parts, optimizer_state,
@@ -141,8 +143,8 @@ def _layout(engine) -> str:
     """DeepSpeed's files (deepspeed_writing.py), but where crew does not write DeepSpeed's layout yet: stage 3
     (one sharded DCP folder), fp16 at stage 0 (FP16_Optimizer's flat groups), and an optimizer that steps tensors
     which are not the model's parameters (DeepSpeed's files name them)."""
-    if engine.zero.shards_params:
-        return SHARDED
+    if engine.zero.shards_params and (engine.optimizer is None or optimizer_param_names(engine) is None):
+        return SHARDED  # refused below (no optimizer), or stepping tensors outside the model
     if engine.zero.stage == 0 and engine.precision.dtype == torch.float16 and engine.optimizer is not None:
         return REPLICATED
     if engine.optimizer is not None and optimizer_param_names(engine) is None:
@@ -226,33 +228,66 @@ def _write_files(engine, staging: Path, client_state: dict, part: int | None, pa
 def _write_deepspeed_files(engine, staging: Path, client_state: dict, part: int | None, parts: int,
                            optimizer_state: dict | None, written: dict, exclude_frozen: bool = False,
                            masters: dict | None = None) -> None:
-    """DeepSpeed's files and crew's own beside them (crew_state.pt) by the writer (rank 0, or each node's first
-    rank without a shared filesystem: then every node has every file a load there reads); each rank its rank file."""
+    """DeepSpeed's files and crew's own beside them (crew_state.pt). Stages 0-2: the writer (rank 0, or each
+    node's first rank without a shared filesystem: then every node has every file a load there reads) writes
+    them all; stage 3: every rank its own model and optimizer states (deepspeed_zero3.py, collectives). Each
+    rank its rank file."""
+    names = optimizer_param_names(engine)
+    if engine.zero.shards_params:
+        _write_zero3_files(engine, staging, client_state, written, exclude_frozen)
     if part is not None:
         _client_state_bytes(client_state)  # the same check as crew's own layout: weights_only loadable
-        fp32 = fp32_module_state(engine, masters)
-        names = optimizer_param_names(engine)
         extras = {**_common_state(engine), "optimizer_param_names": names, "client_keys": list(client_state),
                   "client_shadowed": {key: value for key, value in client_state.items()
                                       if key in deepspeed_writing.ENGINE_KEYS}}
+        if engine.optimizer is not None and engine.optimizer.param_groups:
+            # what DeepSpeed's files cannot say as crew has it: its groups, each parameter's own step
+            extras["optimizer_groups"] = groups_by_name(engine)
+            extras["optimizer_steps"] = _steps(engine, names, optimizer_state)
+        written[CREW_STATE] = write_atomic(staging / CREW_STATE, obj=extras)
+    if part is not None and not engine.zero.shards_params:
+        fp32 = fp32_module_state(engine, masters)
         if engine.optimizer is None or not optimizer_state["param_groups"]:
             optimizer_state = names = None  # a model-only engine: DeepSpeed saves no optimizer either
-        else:  # what DeepSpeed's files cannot say as crew has it: its groups, each parameter's own step
-            extras["optimizer_groups"] = groups_by_name(engine)
-            extras["optimizer_steps"] = {names[index]: entry["step"] for index, entry in
-                                         optimizer_state["state"].items() if "step" in entry}
+        else:
             optimizer_state = deepspeed_writing.as_deepspeeds(engine, optimizer_state)
         model = deepspeed_writing.model_states(engine, fp32, optimizer_state, names, exclude_frozen, client_state)
         written[DEEPSPEED_MODEL_STATES] = write_atomic(staging / DEEPSPEED_MODEL_STATES, obj=model)
         if engine.zero.stage >= 1 and optimizer_state is not None:
-            bf16 = engine.precision.dtype == torch.bfloat16
             for rank, content in enumerate(deepspeed_writing.optim_states(engine, fp32, optimizer_state, names)):
-                name = deepspeed_writing.optim_file(rank, bf16)
+                name = deepspeed_writing.optim_file(rank, engine.precision.dtype == torch.bfloat16)
                 written[name] = write_atomic(staging / name, obj=content,
                                              pickle_module=deepspeed_writing.DEEPSPEED_PICKLE)
-        written[CREW_STATE] = write_atomic(staging / CREW_STATE, obj=extras)
     name = f"rank{comm.get_rank()}.pt"
     written[name] = write_atomic(staging / name, obj=_rank_state(engine))
+
+
+def _write_zero3_files(engine, staging: Path, client_state: dict, written: dict, exclude_frozen: bool) -> None:
+    """Stage 3: this rank's zero_pp_rank_<R>_mp_rank_00_model_states.pt and optimizer file (collectives)."""
+    from crew.runtime.checkpoint import deepspeed_zero3
+
+    rank = comm.get_rank()
+    model = {**deepspeed_zero3.zero3_model_states(engine, exclude_frozen), "optimizer": None,
+             **deepspeed_writing.common_keys(engine, client_state)}
+    name = ZERO3_MODEL_STATES.format(rank=rank)
+    written[name] = write_atomic(staging / name, obj=model)
+    name = deepspeed_writing.optim_file(rank, engine.precision.dtype == torch.bfloat16)
+    written[name] = write_atomic(staging / name, obj=deepspeed_zero3.zero3_optim_states(engine),
+                                 pickle_module=deepspeed_writing.DEEPSPEED_PICKLE)
+
+
+def _steps(engine, names: list[str] | None, optimizer_state: dict | None) -> dict:
+    """Each optimized parameter's own `step`, by name, as crew's optimizer holds it (int or tensor): from the
+    whole state dict (stages 0-2), or the optimizer's own state (stage 3: each step is on every rank)."""
+    if names is None:
+        return {}
+    if optimizer_state is not None:
+        entries = optimizer_state["state"]
+    else:
+        params = [param for group in engine.optimizer.param_groups for param in group["params"]]
+        entries = {index: engine.optimizer.state.get(param, {}) for index, param in enumerate(params)}
+    return {names[index]: entry["step"].detach().clone().cpu() if isinstance(entry["step"], torch.Tensor)
+            else entry["step"] for index, entry in entries.items() if "step" in entry}
 
 
 def _write_shards(engine, staging: Path, written: dict, exclude_frozen: bool) -> None:

@@ -20,8 +20,10 @@ EXPECTED = json.loads((DATA / "expected.json").read_text())
 _spec = importlib.util.spec_from_file_location("make_checkpoints", DATA / "make_checkpoints.py")
 made = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(made)
-CASES = ["stage0_fp32", "stage1_fp32", "stage2_fp32", "stage0_bf16", "stage1_bf16", "stage2_bf16",
-         "stage0_bf16_groups"]
+CASES = ["stage0_fp32", "stage1_fp32", "stage2_fp32", "stage3_fp32", "stage0_bf16", "stage1_bf16", "stage2_bf16",
+         "stage3_bf16", "stage0_bf16_groups", "stage3_bf16_groups", "fusedadam_stage0_fp32_decay",
+         "fusedadam_stage1_fp32", "fusedadam_stage2_bf16", "fusedadam_stage3_fp32", "cpuadam_stage1_offload",
+         "cpuadam_stage2_offload", "cpuadam_stage3_offload_bf16", "lora_stage3"]
 CREW_FILES = {"crew_checkpoint.json", "crew_state.pt", "rank0.pt", "rank1.pt"}
 
 
@@ -30,8 +32,7 @@ def save_all(rank: int, root: str) -> None:
 
     for name in CASES:
         case = EXPECTED["cases"][name]
-        model = made.build_model(seed=0)
-        params = made.param_groups(model) if case["grouped"] else model.parameters()
+        model, params = made.case_model(name, seed=0)
         engine, *_ = crew.initialize(model=model, model_parameters=params, config=case["config"])
         dtype = {"bf16": torch.bfloat16}.get(case["precision"], torch.float32)
         for step in range(made.K_STEPS):
