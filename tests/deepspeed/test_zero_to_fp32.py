@@ -178,3 +178,19 @@ def test_the_file_names_are_deepspeeds():
     assert Path(get_model_ckpt_name_for_rank(tag, "00")).is_file()
     assert [Path(get_zero_ckpt_name_for_rank(tag, rank, 0)).is_file() for rank in (0, 1, 2)] == [True, True, False]
     assert get_layer_ckpt_name_for_rank("tag", 3, 1) == "tag/3-model_01_model_states.pt"
+
+
+def test_checkpoints_of_crew_0_1_give_their_fp32_weights():
+    """Folders of crew 0.1's own layouts (crew_checkpoint.json, no DeepSpeed files): replicated at stages 0 and 2,
+    sharded at 3. The same training saved at stages 0, 2 and 3 gives the same weights."""
+    folder = Path(__file__).parents[1] / "runtime" / "checkpoint" / "crew_0_1_data"
+    states = {name: zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(folder / name))
+              for name in ("stage0_fp32", "stage2_fp32", "stage3_fp32", "stage2_bf16")}
+    first = states["stage0_fp32"]
+    assert len(first) >= 2 and all(value.dtype == torch.float32 for value in first.values())
+    for name, state in states.items():
+        assert state.keys() == first.keys(), name
+        for key, value in first.items():
+            torch.testing.assert_close(state[key], value, **({"rtol": 0.05, "atol": 0.05} if "bf16" in name else {}))
+    with pytest.raises(FileNotFoundError, match="can't find \\*_optim_states.pt files"):  # DeepSpeed's files only
+        zero_to_fp32.get_optim_files(str(folder / "stage2_fp32" / "global_step3"))
