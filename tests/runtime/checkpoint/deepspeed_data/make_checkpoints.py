@@ -23,8 +23,8 @@ accumulation (DeepSpeed's BF16_Optimizer); stages 0 and 3 in bf16 with two param
 without weight decay). Then one a layout of DeepSpeed's own optimizers a CPU reaches: "Adam" as FusedAdam's CPU
 build at stages 0 (with WarmupDecayLR), 1, 2 (bf16) and 3; DeepSpeedCPUAdam (offload_optimizer) at stages 1, 2
 and 3 (bf16); DeepSpeedCPUAdagrad and DeepSpeedCPULion (offload, stage 2); a client torch.optim.SGD with momentum
-at stages 0 and 1; and a ZeRO-3 LoRA fine-tune (frozen base, trainable adapters; Transformers' two param groups,
-the second empty, which DeepSpeed's stage 3 drops). FusedAdam's CUDA build runs the same Python step
+at stages 0 and 1; and a LoRA fine-tune at ZeRO 2 and 3 (frozen base, trainable adapters; Transformers' two
+param groups, the second empty, which DeepSpeed drops). FusedAdam's CUDA build runs the same Python step
 (deepspeed/ops/adam/fused_adam.py) as its CPU build, so its state has the same layout.
 Under bf16 DeepSpeed names the optimizer files bf16_zero_pp_rank_*. Not among them:
 - fp16: DeepSpeed 0.19.8 refuses it on its CPU accelerator (ValueError "Type fp16 is not supported on your
@@ -101,9 +101,10 @@ CASES.update({
     "sgd_client_stage0": (0, "fp32", {}, False),
     "sgd_client_stage1": (1, "fp32", {"zero_allow_untested_optimizer": True}, False),
     "lora_stage3": (3, "fp32", {"optimizer": FUSED_ADAM}, False),
+    "lora_stage2": (2, "fp32", {"optimizer": FUSED_ADAM}, False),
 })
 CLIENT_OPTIMIZER = {"sgd_client_stage0": "sgd", "sgd_client_stage1": "sgd"}  # passed to initialize, no section
-LORA = {"lora_stage3"}  # LoraModel, its groups as lora_groups()
+LORA = {"lora_stage3", "lora_stage2"}  # LoraModel, its groups as lora_groups()
 
 
 class TinyModel(torch.nn.Module):
