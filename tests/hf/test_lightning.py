@@ -3,11 +3,14 @@
 for one epoch, saves (trainer.save_checkpoint or ModelCheckpoint), resumes in a fresh Trainer with
 fit(ckpt_path=...) for a second epoch; then Fabric's ZeRO-2 with fabric.save/load. Every rank's loss and lr
 at each step must be a one-process plain torch run's, which is what an uninterrupted run gives; at stage 3,
-trainer.test after the fit and from the checkpoint must give the torch run's loss over all samples."""
+trainer.test after the fit and from the checkpoint must give the torch run's loss over all samples. Lightning's
+convert_zero_checkpoint_to_fp32_state_dict then reads the stage-2 and stage-3 checkpoints (one more Python)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,7 +61,8 @@ def reference(clip: float | None = None, schedule: bool = True) -> list[dict]:
             scheduler.step()
         with torch.no_grad():
             whole = F.mse_loss(net(x), y).item()  # over all samples, after this step
-        steps.append({"losses": [loss.item() for loss in losses], "lr": scheduler.get_last_lr()[0], "whole": whole})
+        steps.append({"losses": [loss.item() for loss in losses], "lr": scheduler.get_last_lr()[0], "whole": whole,
+                      "weights": {name: value.detach().clone() for name, value in net.state_dict().items()}})
     return steps
 
 
@@ -87,3 +91,38 @@ def test_lightning_deepspeed_strategies_train_save_and_resume(tmp_path):
     stage3, expected = ranks[0]["deepspeed_stage_3"], reference()
     assert stage3["test_after_fit"] == pytest.approx(expected[STEPS - 1]["whole"], rel=1e-5), stage3
     assert stage3["test_from_checkpoint"] == pytest.approx(expected[STEPS // 2 - 1]["whole"], rel=1e-5), stage3
+    # Lightning's convert_zero_checkpoint_to_fp32_state_dict (DeepSpeed's zero_to_fp32 names and files) on crew's
+    # checkpoints at stages 2 and 3, saved after the first epoch: the fp32 weights of those steps
+    converted = lightning_converter({"deepspeed_stage_2": tmp_path / "deepspeed_stage_2" / "epoch=0.ckpt",
+                                     "deepspeed_stage_3": tmp_path / "deepspeed_stage_3" / "saved.ckpt"}, tmp_path)
+    for case, written in converted.items():
+        assert {"epoch", "global_step", "state_dict"} <= set(written["keys"]) and written["global_step"] == 3, case
+        weights = expected[STEPS // 2 - 1]["weights"]
+        assert written["state_dict"].keys() == {f"net.{name}" for name in weights}, case
+        for name, value in weights.items():
+            got = torch.tensor(written["state_dict"][f"net.{name}"])
+            torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=f"{case} {name}")
+
+
+CONVERT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])  # crew's shim: `import deepspeed` is crew
+from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+written = {}
+for case, folder in json.loads(sys.argv[2]).items():
+    state = convert_zero_checkpoint_to_fp32_state_dict(folder, folder + ".fp32.pt")
+    written[case] = {"keys": sorted(state), "global_step": state["global_step"],
+                     "state_dict": {name: value.tolist() for name, value in state["state_dict"].items()}}
+print(json.dumps(written))
+"""
+
+
+def lightning_converter(folders: dict, cwd: Path) -> dict:
+    """Lightning's converter run on crew's shim in a fresh Python: each folder's written keys and weights."""
+    from crew.launcher.node.agent import DEEPSPEED_SHIM
+
+    folders = {case: str(folder) for case, folder in folders.items()}
+    proc = subprocess.run([sys.executable, "-c", CONVERT, DEEPSPEED_SHIM, json.dumps(folders)], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
