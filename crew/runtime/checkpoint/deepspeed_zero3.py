@@ -27,11 +27,12 @@ from crew.runtime.checkpoint.layout import CheckpointError
 
 DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this is, as its files record it
 _SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig.sub_group_size's default
-_FUSED_NAMES = ("adam", "adamw")  # config names for which DeepSpeed builds FusedAdam / DeepSpeedCPUAdam
-_GROUP_KEYS = {  # the defaults of deepspeed/ops/adam/fused_adam.py's and cpu_adam.py's __init__
+_GROUP_KEYS = {  # the defaults of deepspeed/ops/adam/fused_adam.py's, cpu_adam.py's, adagrad/cpu_adagrad.py's __init__
     "FusedAdam": ("lr", "bias_correction", "betas", "eps", "weight_decay"),
     "DeepSpeedCPUAdam": ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad"),
+    "DeepSpeedCPUAdagrad": ("lr", "eps", "weight_decay", "amsgrad"),
 }
+_STATE_KEYS = {"DeepSpeedCPUAdagrad": {"sum": "exp_avg_sq"}}  # torch's name -> the DeepSpeed optimizer's
 
 
 def zero3_model_states(engine, exclude_frozen: bool) -> dict:
@@ -66,10 +67,10 @@ def zero3_optim_states(engine) -> dict:
     sub_groups = _sub_groups(engine, _param_names(engine.module))
     flat_weights = [_flat([engine.precision.master_of(param) for _, param in sub_group], engine)
                     for _, sub_group in sub_groups]
-    built = _deepspeeds_adam(engine)
+    built = _deepspeeds_optimizer(engine)
     state = {}
     for index, (_, sub_group) in enumerate(sub_groups):
-        entry = _flat_state(engine, [param for _, param in sub_group], built is not None)
+        entry = _flat_state(engine, [param for _, param in sub_group], built)
         if entry:
             state[index] = entry
     groups = []
@@ -178,22 +179,24 @@ def _flat(tensors: list[torch.Tensor], engine, dtype: torch.dtype | None = None)
     return flat
 
 
-def _flat_state(engine, params: list[torch.nn.Parameter], fused: bool) -> dict:
+def _flat_state(engine, params: list[torch.nn.Parameter], built: str | None) -> dict:
     """One sub group's optimizer state as DeepSpeed's base optimizer holds it for the flat tensor: each of the
-    parameters' state tensors flat in fp32_flat_groups' layout, a scalar (Adam's step) once."""
+    parameters' state tensors flat in fp32_flat_groups' layout, a scalar (Adam's step) once; under the names
+    and types of DeepSpeed's own optimizer where it runs one (`built`)."""
     entries = [engine.optimizer.state.get(param, {}) for param in params]
     keys = list(dict.fromkeys(key for entry in entries for key in entry))
     out = {}
     for key in keys:
         values = [entry.get(key) for entry in entries]
         sample = next(value for value in values if value is not None)
+        name = _STATE_KEYS.get(built, {}).get(key, key)
         if isinstance(sample, torch.Tensor) and sample.dim() > 0:
-            out[key] = _flat([_state_tensor(value, param, key) for value, param in zip(values, params, strict=True)],
+            out[name] = _flat([_state_tensor(value, param, key) for value, param in zip(values, params, strict=True)],
                              engine, sample.dtype)
-        elif key == "step" and fused:  # FusedAdam and DeepSpeedCPUAdam count steps in a Python int
-            out[key] = int(sample.item() if isinstance(sample, torch.Tensor) else sample)
+        elif key == "step" and built is not None:  # DeepSpeed's C++ optimizers count steps in a Python int
+            out[name] = int(sample.item() if isinstance(sample, torch.Tensor) else sample)
         else:
-            out[key] = sample.detach().clone().cpu() if isinstance(sample, torch.Tensor) else copy.deepcopy(sample)
+            out[name] = sample.detach().clone().cpu() if isinstance(sample, torch.Tensor) else copy.deepcopy(sample)
     return out
 
 
@@ -265,20 +268,21 @@ def _shared_params(module: torch.nn.Module) -> dict[str, str]:
 
 # -- the optimizer's surroundings ----------------------------------------------------------------------
 
-def _deepspeeds_adam(engine) -> str | None:
-    """The optimizer DeepSpeed builds for the config's "Adam"/"AdamW" without torch_adam (engine.py
-    get_optimizer_configuration) where crew runs torch's AdamW: "DeepSpeedCPUAdam" with offload_optimizer,
-    otherwise "FusedAdam" (its CPU build on a CPU). None for any other optimizer, or the script's own."""
+def _deepspeeds_optimizer(engine) -> str | None:
+    """The optimizer of DeepSpeed's own that it builds for the config where crew runs torch's (engine.py
+    _configure_basic_optimizer, get_optimizer_configuration): for "Adam"/"AdamW" without torch_adam FusedAdam (its
+    CPU build on a CPU), or with offload_optimizer DeepSpeedCPUAdam; for "Adagrad" with offload_optimizer
+    DeepSpeedCPUAdagrad. None where it runs torch's, or the script's own optimizer."""
     if getattr(engine, "_client_optimizer_name", None) is not None:
         return None
     raw = engine.crew_config.raw
-    section = raw.get("optimizer")
-    if not isinstance(section, dict) or str(section.get("type", "")).lower() not in _FUSED_NAMES:
-        return None
-    if (section.get("params") or {}).get("torch_adam", False):
-        return None
-    offload = ((raw.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
-    return "DeepSpeedCPUAdam" if offload in ("cpu", "nvme") else "FusedAdam"
+    section = raw.get("optimizer") if isinstance(raw.get("optimizer"), dict) else {}
+    name = str(section.get("type", "")).lower()
+    zero = raw.get("zero_optimization") if isinstance(raw.get("zero_optimization"), dict) else {}
+    offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    if name in ("adam", "adamw") and not (section.get("params") or {}).get("torch_adam", False):
+        return "DeepSpeedCPUAdam" if offload else "FusedAdam"
+    return "DeepSpeedCPUAdagrad" if name == "adagrad" and offload else None
 
 
 def _hyperparameters(optimizer, group: dict, built: str | None, stepped: bool) -> dict:
@@ -287,9 +291,9 @@ def _hyperparameters(optimizer, group: dict, built: str | None, stepped: bool) -
     values = {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
     if built is None:
         return values
-    values.setdefault("bias_correction", True)
-    values.setdefault("amsgrad", False)
-    out = {key: values[key] for key in _GROUP_KEYS[built]}
+    # torch's Adam has no bias_correction (it always corrects), its Adagrad no amsgrad
+    known = {"bias_correction": True, "amsgrad": False, **values}
+    out = {key: known[key] for key in _GROUP_KEYS[built]}
     out.update((key, value) for key, value in values.items() if key not in optimizer.defaults and key not in out)
     if built == "FusedAdam" and stepped:
         out["step"] = 0

@@ -59,6 +59,8 @@ class TiedFrozen(torch.nn.Module):
 TIED_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
                "optimizer": {"type": "Adam", "params": {"lr": 0.01}},  # DeepSpeed's FusedAdam on a CPU
                "zero_optimization": {"stage": 3, "sub_group_size": 40}}
+ADAGRAD_OFFLOAD = {"optimizer": {"type": "Adagrad", "params": {"lr": 0.05, "weight_decay": 0.01}},
+                   "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
 
 
 def _train_fixture_case(name: str):
@@ -77,13 +79,27 @@ def _train_fixture_case(name: str):
 
 
 def _train_tied():
+    """The tied model trained 2 steps, and its optimizer file before the first."""
     import crew
+    from crew.runtime.checkpoint.deepspeed_zero3 import zero3_optim_states
     torch.manual_seed(0)
     engine, _, _, _ = crew.initialize(model=TiedFrozen(), config=TIED_CONFIG)
+    before = zero3_optim_states(engine)
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
     for _ in range(2):
         ids = torch.randint(0, 11, (2, 3), generator=generator)
         engine.backward(engine(ids).float().pow(2).mean())
+        engine.step()
+    return engine, before
+
+
+def _train_adagrad_offload():
+    """One step of "Adagrad" with offload_optimizer, for which DeepSpeed builds its CPU Adagrad."""
+    import crew
+    engine, _, _, _ = crew.initialize(model=made.build_model(seed=0), config=made.config(3, "fp32", ADAGRAD_OFFLOAD))
+    for micro_step in range(made.ACCUMULATION):
+        inputs, targets = made.batch(0, micro_step, torch.distributed.get_rank(), torch.distributed.get_world_size())
+        engine.backward(made.loss_of(engine(inputs), targets))
         engine.step()
     return engine
 
@@ -102,14 +118,15 @@ def _live(engine) -> tuple[dict, dict]:
 
 def _save_all(rank: int) -> list[dict]:
     from crew.runtime.checkpoint.deepspeed_zero3 import zero3_model_states, zero3_optim_states
-    engines = [(name, _train_fixture_case(name)) for name in CASES] + [("tied", _train_tied())]
+    tied, before = _train_tied()
+    engines = [(name, _train_fixture_case(name)) for name in CASES] + [("tied", tied)]
     out = []
-    for name, engine in engines:
+    for name, engine in engines + [("adagrad", _train_adagrad_offload())]:
         weights, state = _live(engine)
         out.append({"name": name, "model": zero3_model_states(engine, exclude_frozen=False),
                     "model_without_frozen": zero3_model_states(engine, exclude_frozen=True),
                     "optim": zero3_optim_states(engine), "weights": weights, "state": state,
-                    "world": engine.world_size})
+                    "world": engine.world_size, "before": before if name == "tied" else None})
     return out
 
 
@@ -265,6 +282,26 @@ def test_frozen_tied_and_sub_groups_as_deepspeed_lays_them_out(saved, tmp_path):
     tag = deepspeed_format._Tag(folder)
     params = deepspeed_format.fp32_params(tag, None)
     assert torch.equal(params["mid.weight"], ranks[0]["weights"]["mid.weight"])
+
+
+def test_before_the_first_step_and_deepspeeds_cpu_adagrad(saved):
+    """Saved before any step: no optimizer state and no FusedAdam group step yet, as DeepSpeed's. "Adagrad" with
+    offload_optimizer: DeepSpeedCPUAdagrad's layout (deepspeed/ops/adagrad/cpu_adagrad.py), torch's `sum` as its
+    `exp_avg_sq`, an int step, its group keys."""
+    before = saved["tied"][0]["before"]["optimizer_state_dict"]
+    assert before["optimizer_state_dict"]["state"] == {}
+    assert "step" not in before["optimizer_state_dict"]["param_groups"][0]
+    assert [flat.numel() for flat in before["fp32_flat_groups"]] == [39 + 18, 4]
+    for rank, got in enumerate(saved["adagrad"]):
+        optimizer = got["optim"]["optimizer_state_dict"]["optimizer_state_dict"]
+        assert set(optimizer["state"]) == {0} and optimizer["state"][0]["step"] == 1
+        assert set(optimizer["param_groups"][0]) == {"lr", "eps", "weight_decay", "amsgrad", "params"}
+        shapes = got["model"]["param_shapes"][0]
+        parts = [-(-shape.numel() // 2) for shape in shapes.values()]
+        expected = torch.cat([torch.nn.functional.pad(
+            got["state"][name]["sum"].reshape(-1)[rank * part:(rank + 1) * part], (0, part)).narrow(0, 0, part)
+            for name, part in zip(shapes, parts, strict=True)])
+        assert torch.equal(optimizer["state"][0]["exp_avg_sq"], expected)
 
 
 def test_a_factored_optimizer_state_is_refused():
