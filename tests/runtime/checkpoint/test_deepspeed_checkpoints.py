@@ -359,3 +359,25 @@ def test_model_parallel_experts_and_pipeline_are_refused(tmp_path, extra, what):
     with pytest.raises(CheckpointError, match=f"global_step3 holds {extra}: a DeepSpeed checkpoint with {what}, "
                                               "which crew does not read.*zero_to_fp32.py"):
         engine.load_checkpoint(folder)
+
+
+def test_fused_lambs_state_is_refused_by_adam(tmp_path):
+    """FusedLamb has no CPU build, so no fixture: its state is built here as deepspeed/ops/lamb/fused_lamb.py
+    (0.19.8) keeps it, per parameter step (an int), exp_avg and exp_avg_sq, as Adam's, and param groups with
+    max_grad_norm, max_coeff and min_coeff (lines 56-64). crew has no LAMB: loaded into Adam it is one error."""
+    from crew.runtime.checkpoint.deepspeed_files import read
+    name = "fusedadam_stage1_fp32"
+    folder = copy_case(name, tmp_path)
+    for path in (folder / "global_step3").glob("zero_pp_rank_*_optim_states.pt"):
+        state = read(path)["optimizer_state_dict"]
+        for group in state["base_optimizer_state"]["param_groups"]:
+            del group["step"]
+            group.update(max_grad_norm=0.0, max_coeff=10.0, min_coeff=0.01)
+        # without DeepSpeed's pickled objects, which would be saved under crew's stand-ins' names
+        plain = ("loss_scaler", "zero_stage", "param_slice_mappings")
+        torch.save({"optimizer_state_dict": {key: value for key, value in state.items() if key not in plain}}, path)
+    engine = initialize(name, EXPECTED["cases"][name]["config"] | {"train_micro_batch_size_per_gpu": 8})
+    with pytest.raises(CheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt: the saved param group of "
+                                              "this engine's group 0 has max_grad_norm=0.0, which this engine's "
+                                              "AdamW has no setting for"):
+        engine.load_checkpoint(folder)
