@@ -40,7 +40,7 @@ def zero3_model_states(engine, exclude_frozen: bool) -> dict:
     module (parameters as DeepSpeed's empty placeholders, buffers whole), buffer_names, param_shapes,
     frozen_param_shapes, frozen_param_fragments (this rank's partition), shared_params. The caller adds the
     keys common to every stage. A collective (the frozen parameters are gathered one at a time)."""
-    module = engine.module
+    module, optimizer = engine.module, engine.optimizer
     names = _param_names(module)
     frozen = [(name, param) for param, name in names.items() if not _optimized(param)]
     if exclude_frozen:
@@ -52,10 +52,12 @@ def zero3_model_states(engine, exclude_frozen: bool) -> dict:
     return {
         "module": _module_placeholders(engine, exclude_frozen),
         "buffer_names": _buffer_names(module),
-        "param_shapes": [collections.OrderedDict((name, param.shape) for name, param in sub_group)
-                         for _, sub_group in _sub_groups(engine, names)],
+        "param_shapes": None if optimizer is None else [
+            collections.OrderedDict((name, param.shape) for name, param in sub_group)
+            for _, sub_group in _sub_groups(engine, names)],
         "frozen_param_shapes": frozen_shapes,
-        "shared_params": _shared_params(module) if engine.global_rank == 0 else {},
+        # as DeepSpeed's: None without an optimizer, worked out on rank 0 only
+        "shared_params": None if optimizer is None else _shared_params(module) if engine.global_rank == 0 else {},
         "frozen_param_fragments": frozen_fragments,
     }
 
@@ -64,6 +66,9 @@ def zero3_optim_states(engine) -> dict:
     """This rank's whole [bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt as DeepSpeed 0.19.8 writes it
     (engine._save_zero_checkpoint around stage3.py's _rigid_state_dict). A collective."""
     optimizer = engine.optimizer
+    if optimizer is None:
+        raise CheckpointError("a ZeRO-3 engine without an optimizer has no optimizer state to write (DeepSpeed's "
+                              "save_checkpoint fails there too): save the model with save_16bit_model instead")
     sub_groups = _sub_groups(engine, _param_names(engine.module))
     flat_weights = [_flat([engine.precision.master_of(param) for _, param in sub_group], engine)
                     for _, sub_group in sub_groups]

@@ -93,6 +93,18 @@ def _train_tied():
     return engine, before
 
 
+def _train_fp16():
+    """One step under fp16 (dynamic loss scaling), where DeepSpeed keeps a DynamicLossScaler in the file."""
+    import crew
+    engine, _, _, _ = crew.initialize(model=made.build_model(seed=0),
+                                      config=made.config(3, "fp32", {"fp16": {"enabled": True}}))
+    for micro_step in range(made.ACCUMULATION):
+        inputs, targets = made.batch(0, micro_step, torch.distributed.get_rank(), torch.distributed.get_world_size())
+        engine.backward(made.loss_of(engine(inputs.half()), targets))
+        engine.step()
+    return engine
+
+
 def _train_adagrad_offload():
     """One step of "Adagrad" with offload_optimizer, for which DeepSpeed builds its CPU Adagrad."""
     import crew
@@ -121,7 +133,7 @@ def _save_all(rank: int) -> list[dict]:
     tied, before = _train_tied()
     engines = [(name, _train_fixture_case(name)) for name in CASES] + [("tied", tied)]
     out = []
-    for name, engine in engines + [("adagrad", _train_adagrad_offload())]:
+    for name, engine in engines + [("adagrad", _train_adagrad_offload()), ("fp16", _train_fp16())]:
         weights, state = _live(engine)
         out.append({"name": name, "model": zero3_model_states(engine, exclude_frozen=False),
                     "model_without_frozen": zero3_model_states(engine, exclude_frozen=True),
@@ -302,6 +314,22 @@ def test_before_the_first_step_and_deepspeeds_cpu_adagrad(saved):
             got["state"][name]["sum"].reshape(-1)[rank * part:(rank + 1) * part], (0, part)).narrow(0, 0, part)
             for name, part in zip(shapes, parts, strict=True)])
         assert torch.equal(optimizer["state"][0]["exp_avg_sq"], expected)
+
+
+def test_fp16_keeps_deepspeeds_dynamic_loss_scaler(saved):
+    """fp16 (which DeepSpeed refuses on a CPU, so no fixture): a DynamicLossScaler with every attribute DeepSpeed's
+    has (deepspeed/runtime/fp16/loss_scaler.py), crew's scale, 16-bit placeholders."""
+    got = saved["fp16"][0]
+    optim = got["optim"]["optimizer_state_dict"]
+    scaler = vars(optim["loss_scaler"])
+    assert type(optim["loss_scaler"]).__name__ == "DynamicLossScaler" and optim["dynamic_loss_scale"] is True
+    assert set(scaler) == {"cur_scale", "dynamic", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window",
+                           "min_scale", "delayed_shift", "cur_hysteresis", "consecutive_hysteresis",
+                           "raise_error_at_min_scale", "dtype"}
+    assert scaler["cur_scale"] == 2.0 ** 16 and scaler["cur_iter"] == 1 and scaler["dtype"] is torch.float16
+    assert got["model"]["module"]["fc1.weight"].dtype == torch.float16
+    assert got["model"]["module"]["scale"].dtype == torch.float32  # a buffer as the module holds it
+    assert optim["fp32_flat_groups"][0].dtype == torch.float32
 
 
 def test_a_factored_optimizer_state_is_refused():
