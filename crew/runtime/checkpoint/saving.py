@@ -82,9 +82,11 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
 # DeepSpeed copies its zero_to_fp32.py beside the tags (stages 1-3); HF's docs tell users to run it.
 RECOVERY_SCRIPT = """#!/usr/bin/env python
 # Written by crew's save_checkpoint, where DeepSpeed writes its zero_to_fp32.py: the fp32 weights of the
-# checkpoint in this folder (the tag in `latest`, or -t TAG) as one state dict file, e.g.
-#     python zero_to_fp32.py . pytorch_model.bin
-# It needs crew installed: the same as `python -m crew.deepspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT`.
+# checkpoint in this folder (the tag in `latest`, or -t TAG) as OUTPUT_DIR/pytorch_model.bin (shards past
+# --max_shard_size, model.safetensors with --safe_serialization), as DeepSpeed's script, e.g.
+#     python zero_to_fp32.py . OUTPUT_DIR
+# It needs crew installed: the same as `python -m crew.deepspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR`.
+# DeepSpeed's own zero_to_fp32.py reads this folder too.
 import runpy
 
 runpy.run_module("crew.deepspeed.utils.zero_to_fp32", run_name="__main__")
