@@ -1,14 +1,14 @@
 """Real DeepSpeed 0.19.8 loads crew's checkpoints and trains on with crew's own next losses (a check run by hand).
 
-crew (2 ranks, gloo) trains a small MLP 3 steps at ZeRO stage 0, 1 and 2 (fp32 and bf16; DeepSpeed's "Adam"
-with torch_adam true and false), saves, and records its next 3 losses; then DeepSpeed (its venv, same config,
-same model and batches) loads each checkpoint with load_checkpoint and trains 3 steps. The table shows the largest
-relative difference between the two; fp32 should agree to ~1e-6.
+crew (2 ranks, gloo) trains a small MLP 3 steps at ZeRO stages 0-3 (fp32 and bf16; DeepSpeed's "Adam" with
+torch_adam true and false, and with offload_optimizer at stages 1-3), saves, and records its next 3 losses; then
+DeepSpeed (its venv, same config, same model and batches) loads each checkpoint with load_checkpoint and trains 3
+steps. The table shows the largest relative difference between the two; fp32 should agree to ~1e-6.
 
     .venv/bin/python benchmarks/deepspeed_load_crew.py [--dsvenv /opt/dsvenv] [--out /tmp/ds_load_crew]
         [--only stage1_fp32_torchadam,...]
 
-Without torch_adam DeepSpeed on a CPU builds its CPU Adam (a C++ op, compiled on first use: a minute).
+FusedAdam's CPU build and DeepSpeedCPUAdam are C++ ops DeepSpeed compiles on first use (a minute each).
 """
 
 from __future__ import annotations
@@ -23,16 +23,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
 SAVE_AT, END = 3, 6
-CASES = {f"stage{stage}_{precision}_{'torchadam' if torch_adam else 'cpuadam'}": (stage, precision, torch_adam)
-         for stage in (0, 1, 2) for precision in ("fp32", "bf16") for torch_adam in (True, False)}
+# DeepSpeed's "Adam" builds torch's AdamW with torch_adam, else FusedAdam (its CPU build here), and with
+# offload_optimizer DeepSpeedCPUAdam (ZeRO only)
+OPTIMIZERS = ("torchadam", "fusedadam", "cpuadam")
+CASES = {f"stage{stage}_{precision}_{kind}": (stage, precision, kind) for stage in (0, 1, 2, 3)
+         for precision in ("fp32", "bf16") for kind in OPTIMIZERS if stage or kind != "cpuadam"}
 
 
-def config(stage: int, precision: str, torch_adam: bool) -> dict:
+def config(stage: int, precision: str, kind: str) -> dict:
+    zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if kind == "cpuadam" else {})}
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
             "gradient_clipping": 1.0,
-            "optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01, "torch_adam": torch_adam}},
+            "optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01,
+                                                     "torch_adam": kind == "torchadam"}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 5}},
-            "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
+            "zero_optimization": zero, "bf16": {"enabled": precision == "bf16"}}
 
 
 def model():
@@ -49,7 +54,7 @@ def steps(engine, rank: int, until: int) -> list[float]:
     while engine.global_steps < until:
         generator = torch.Generator().manual_seed(1000 * engine.global_steps + rank)
         inputs = torch.randn(4, 8, generator=generator)
-        dtype = next(engine.module.parameters()).dtype
+        dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
         loss = torch.nn.functional.mse_loss(engine(inputs.to(dtype)).float(), inputs.sum(dim=1, keepdim=True))
         engine.backward(loss)
         engine.step()

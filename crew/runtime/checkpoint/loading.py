@@ -163,6 +163,9 @@ def _read_deepspeed_layout(engine, folder: Path, states: dict, load_optimizer_st
                                    module_only)
     extras = read(folder / CREW_STATE)
     model = states["model"]
+    if not (load_optimizer_states and not module_only and engine.optimizer is not None):
+        # DeepSpeed then takes the 16-bit module's weights; crew's own load keeps the fp32 masters, as before
+        model["module"] = deepspeed_format.read_fp32_module(folder)
     for key in ("precision", "micro_steps", "boundary_override", "micro_batch_sizes", "world_size"):
         model[key] = extras[key]
     optimizer = model.get("optimizer")

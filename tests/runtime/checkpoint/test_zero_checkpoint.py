@@ -105,6 +105,14 @@ def stage_world(rank: int, stage: int, precision: str, folder: str, other_stages
     engine, stream = build(config)
     before = train(engine, stream, SAVE_AT)
     engine.save_checkpoint(folder, client_state={"losses": len(before)})
+    if stage == 3:  # and in crew 0.1's sharded layout, which still loads
+        from crew.runtime.checkpoint import saving
+
+        layout, saving._layout = saving._layout, lambda engine: "sharded"
+        try:
+            engine.save_checkpoint(f"{folder}_sharded", client_state={"losses": len(before)})
+        finally:
+            saving._layout = layout
     saved = whole_state(engine)
     saved_precision = engine.precision.state_dict()
     continued = train(engine, stream, END)
@@ -133,10 +141,10 @@ def stage_world(rank: int, stage: int, precision: str, folder: str, other_stages
 
 
 def load_with_a_damaged_shard(rank: int, config: dict, folder: Path) -> str:
-    """Rank 1 flips a byte of its own shard, which only it reads: every rank must raise."""
+    """Rank 1 flips a byte of its optimizer file, which one rank checks: every rank must raise."""
     import torch.distributed as dist
 
-    shard = folder / f"global_step{SAVE_AT}" / "sharded" / "__1_0.distcp"
+    shard = folder / f"global_step{SAVE_AT}" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     original = shard.read_bytes()
     if rank == 1:
         shard.write_bytes(original[:100] + bytes([original[100] ^ 0xFF]) + original[101:])
@@ -193,9 +201,9 @@ def test_manifest_names_stage_and_format(worlds):
             f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)}
     common.add("client_state.pt")
     manifest, files = tag(3)
-    assert (manifest["zero_stage"], manifest["format"]) == (3, "sharded")
-    assert files == common | {"engine_state.pt", "sharded/.metadata", "sharded/__0_0.distcp",
-                              "sharded/__1_0.distcp"}  # each rank wrote its own shards
+    assert (manifest["zero_stage"], manifest["format"]) == (3, "deepspeed")
+    assert files == common - {"client_state.pt"} | {"crew_state.pt"} | {  # each rank wrote its own
+        f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt" for rank in (0, 1) for kind in ("model", "optim")}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -223,8 +231,8 @@ def test_a_load_checks_every_file_it_reads_once_in_the_job(worlds, stage):
 
 def test_a_damaged_shard_fails_every_rank_checked_once_in_the_job(worlds):
     folder, ranks = worlds[3]
-    shard = folder / f"global_step{SAVE_AT}" / "sharded" / "__1_0.distcp"
-    for result in ranks:  # one rank hashed it (the shards are split among all ranks), every rank failed
+    shard = folder / f"global_step{SAVE_AT}" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    for result in ranks:  # one rank hashed it (the files are split among all ranks), every rank failed
         assert "failed on 1 rank(s)" in result["damaged_shard_error"]
         assert f"{shard} is damaged: its crc32 differs" in result["damaged_shard_error"]
 
@@ -271,7 +279,7 @@ def test_a_sharded_stage2_checkpoint_of_two_ranks_loads_at_stage2_on_four(worlds
 
     folder, saved = worlds[3]
     old = tmp_path / "old"
-    shutil.copytree(folder, old)
+    shutil.copytree(f"{folder}_sharded", old)
     manifest_path = old / f"global_step{SAVE_AT}" / "crew_checkpoint.json"
     manifest = json.loads(manifest_path.read_text())
     assert manifest["format"] == "sharded"
@@ -361,6 +369,7 @@ def without_checksums(tag: Path) -> None:
     (tag / "crew_checkpoint.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.usefixtures("sharded_layout")
 def test_a_sharded_checkpoint_of_another_model_is_named(tmp_path):
     engine, stream = build(zero_config(3))
     train(engine, stream, 1)
@@ -375,11 +384,20 @@ def test_a_sharded_checkpoint_of_another_model_is_named(tmp_path):
         other.load_checkpoint(tmp_path)
 
 
+@pytest.fixture
+def sharded_layout(monkeypatch):
+    """Stage 3 saves crew 0.1's sharded layout (DCP), whose reading these tests check."""
+    from crew.runtime.checkpoint import saving
+
+    monkeypatch.setattr(saving, "_layout", lambda engine: "sharded")
+
+
 class _RunsCode:
     def __reduce__(self):
         return (print, ("a crafted checkpoint ran code",))
 
 
+@pytest.mark.usefixtures("sharded_layout")
 def test_a_crafted_sharded_metadata_cannot_run_code(tmp_path, capsys):
     engine, stream = build(zero_config(3))
     train(engine, stream, 1)
@@ -399,6 +417,7 @@ def test_a_crafted_sharded_metadata_cannot_run_code(tmp_path, capsys):
     assert "ran code" not in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("sharded_layout")
 def test_damaged_shards_are_named_by_load_and_export(tmp_path):
     """Each DCP file is checked before DCP reads it; a sharded engine, a stage 0 engine (which reads
     the shards whole) and export all name the damaged one."""
