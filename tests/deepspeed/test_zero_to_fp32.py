@@ -2,8 +2,9 @@
 stages 0-3, fp32/bf16, tests/runtime/checkpoint/deepspeed_data/, and zero_to_fp32_data/frozen_*: a frozen layer
 and a tied weight). zero_to_fp32_data/make_expected.py ran DeepSpeed's functions on those folders and recorded
 every result (tensors by sha256: equal means bitwise equal), every file an export wrote, and every error; here
-the same recorder runs crew's module and must find the same, and Lightning's converter (which imports
-DeepSpeed's names) runs on crew's shim in one subprocess. No process group, no DeepSpeed."""
+the same recorder runs crew's module and must find the same. No process group, no DeepSpeed. (Lightning's
+converter, which imports DeepSpeed's names, runs on crew's shim in tests/hf/test_lightning.py: on crew's
+checkpoints and on some of these, against what it wrote with DeepSpeed.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from shimrun import run_as_deepspeed
 
 import crew.deepspeed.utils.zero_to_fp32 as zero_to_fp32
 from crew.runtime.checkpoint import CheckpointError
@@ -144,27 +144,6 @@ def test_the_split_is_huggingface_hubs():
                                                        max_shard_size=limit)
         files, metadata = zero_to_fp32._split_into_shards(state, "model.bin", limit)
         assert files == split.filename_to_tensors and metadata == split.metadata, limit
-
-
-def test_lightnings_converter_on_deepspeed_checkpoints(tmp_path):
-    """Lightning 2.6.6's convert_zero_checkpoint_to_fp32_state_dict, run on crew's shim: the file it writes has the
-    keys and weights it writes with DeepSpeed (stages 1-3; on stage 0 both fail)."""
-    pytest.importorskip("lightning", reason="Lightning's converter needs lightning (the test extra)")
-    names = [name for name, case in EXPECTED["cases"].items() if "value" in case["lightning"]]
-    script = f"""
-        import json, sys
-        sys.path[:0] = [sys.argv[1], {str(DATA)!r}]  # crew's shim: `import deepspeed` is crew
-        import make_expected
-        from lightning.pytorch.utilities import deepspeed as lightning_deepspeed
-        import deepspeed.utils.zero_to_fp32
-        assert deepspeed.utils.zero_to_fp32.__file__.endswith("crew/deepspeed/utils/zero_to_fp32.py")
-        folders = make_expected.cases()
-        print(json.dumps({{name: make_expected.record_lightning(folders[name]) for name in {names!r}}}))
-    """
-    got = json.loads(run_as_deepspeed(script, tmp_path)[-1])
-    assert len(names) >= 9
-    for name in names:
-        assert got[name] == EXPECTED["cases"][name]["lightning"], name
 
 
 def test_the_file_names_are_deepspeeds():

@@ -4,7 +4,8 @@ for one epoch, saves (trainer.save_checkpoint or ModelCheckpoint), resumes in a 
 fit(ckpt_path=...) for a second epoch; then Fabric's ZeRO-2 with fabric.save/load. Every rank's loss and lr
 at each step must be a one-process plain torch run's, which is what an uninterrupted run gives; at stage 3,
 trainer.test after the fit and from the checkpoint must give the torch run's loss over all samples. Lightning's
-convert_zero_checkpoint_to_fp32_state_dict then reads the stage-2 and stage-3 checkpoints (one more Python)."""
+convert_zero_checkpoint_to_fp32_state_dict then reads the stage-2 and stage-3 checkpoints, and some DeepSpeed wrote
+(one more Python)."""
 
 from __future__ import annotations
 
@@ -93,8 +94,9 @@ def test_lightning_deepspeed_strategies_train_save_and_resume(tmp_path):
     assert stage3["test_from_checkpoint"] == pytest.approx(expected[STEPS // 2 - 1]["whole"], rel=1e-5), stage3
     # Lightning's convert_zero_checkpoint_to_fp32_state_dict (DeepSpeed's zero_to_fp32 names and files) on crew's
     # checkpoints at stages 2 and 3, saved after the first epoch: the fp32 weights of those steps
-    converted = lightning_converter({"deepspeed_stage_2": tmp_path / "deepspeed_stage_2" / "epoch=0.ckpt",
-                                     "deepspeed_stage_3": tmp_path / "deepspeed_stage_3" / "saved.ckpt"}, tmp_path)
+    converted, fixtures = lightning_converter({"deepspeed_stage_2": tmp_path / "deepspeed_stage_2" / "epoch=0.ckpt",
+                                               "deepspeed_stage_3": tmp_path / "deepspeed_stage_3" / "saved.ckpt"},
+                                              tmp_path)
     for case, written in converted.items():
         assert {"epoch", "global_step", "state_dict"} <= set(written["keys"]) and written["global_step"] == 3, case
         weights = expected[STEPS // 2 - 1]["weights"]
@@ -102,27 +104,38 @@ def test_lightning_deepspeed_strategies_train_save_and_resume(tmp_path):
         for name, value in weights.items():
             got = torch.tensor(written["state_dict"][f"net.{name}"])
             torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=f"{case} {name}")
+    # and on checkpoints real DeepSpeed wrote: the file it writes with DeepSpeed 0.19.8 (keys, weights bitwise)
+    recorded = json.loads((ZERO_TO_FP32_DATA / "expected.json").read_text())["cases"]
+    assert len(fixtures) == len(FIXTURES)
+    for name, written in fixtures.items():
+        assert written == recorded[name]["lightning"], name
 
 
+ZERO_TO_FP32_DATA = REPO / "tests" / "deepspeed" / "zero_to_fp32_data"
+FIXTURES = ["stage1_bf16", "stage2_fp32", "stage3_bf16_groups", "frozen_stage2_fp32", "frozen_stage3_bf16"]
 CONVERT = """
 import json, sys
-sys.path.insert(0, sys.argv[1])  # crew's shim: `import deepspeed` is crew
+sys.path[:0] = [sys.argv[1], sys.argv[3]]  # crew's shim: `import deepspeed` is crew; make_expected's recorder
 from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+import make_expected
 written = {}
 for case, folder in json.loads(sys.argv[2]).items():
     state = convert_zero_checkpoint_to_fp32_state_dict(folder, folder + ".fp32.pt")
     written[case] = {"keys": sorted(state), "global_step": state["global_step"],
                      "state_dict": {name: value.tolist() for name, value in state["state_dict"].items()}}
-print(json.dumps(written))
+folders = make_expected.cases()
+fixtures = {name: make_expected.record_lightning(folders[name]) for name in json.loads(sys.argv[4])}
+print(json.dumps([written, fixtures]))
 """
 
 
-def lightning_converter(folders: dict, cwd: Path) -> dict:
-    """Lightning's converter run on crew's shim in a fresh Python: each folder's written keys and weights."""
+def lightning_converter(folders: dict, cwd: Path) -> tuple[dict, dict]:
+    """Lightning's converter run on crew's shim in a fresh Python: each of `folders`' written keys and weights, and
+    FIXTURES' as tests/deepspeed/zero_to_fp32_data/make_expected.py records them."""
     from crew.launcher.node.agent import DEEPSPEED_SHIM
 
     folders = {case: str(folder) for case, folder in folders.items()}
-    proc = subprocess.run([sys.executable, "-c", CONVERT, DEEPSPEED_SHIM, json.dumps(folders)], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", CONVERT, DEEPSPEED_SHIM, json.dumps(folders), str(ZERO_TO_FP32_DATA),
+                           json.dumps(FIXTURES)], cwd=cwd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return tuple(json.loads(proc.stdout.splitlines()[-1]))
