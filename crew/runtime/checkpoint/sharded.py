@@ -229,12 +229,20 @@ def load_full(module: torch.nn.Module, optimizer: torch.optim.Optimizer, module_
 def _set_both(module: torch.nn.Module, optimizer: torch.optim.Optimizer, module_state: dict,
               optimizer_state: dict, options: StateDictOptions) -> None:
     groups = list(optimizer.param_groups)
-    set_state_dict(module, optimizer, model_state_dict=module_state, optim_state_dict=optimizer_state,
-                   options=options)
-    for group, loaded in zip(groups, optimizer.param_groups, strict=True):
-        if group is not loaded:  # the saved values into the same dicts: a scheduler outside holds them
-            group.update(loaded)
-    optimizer.param_groups[:] = groups
+    # DSD takes one param group without parameters at most (a LoRA run's can have several): they take nothing
+    stepping = [group for group in groups if group["params"]] or groups
+    if stepping is not groups:
+        optimizer_state = {**optimizer_state, "param_groups": [group for group in optimizer_state["param_groups"]
+                                                               if group["params"]]}
+    optimizer.param_groups[:] = stepping
+    try:
+        set_state_dict(module, optimizer, model_state_dict=module_state, optim_state_dict=optimizer_state,
+                       options=options)
+        for group, loaded in zip(stepping, optimizer.param_groups, strict=True):
+            if group is not loaded:  # the saved values into the same dicts: a scheduler outside holds them
+                group.update(loaded)
+    finally:
+        optimizer.param_groups[:] = groups
     if not optimizer_state["state"]:  # saved before the first step: drop the state set_state_dict
         optimizer.state.clear()       # made up (a step at lr 0), or Adam would count that step
 

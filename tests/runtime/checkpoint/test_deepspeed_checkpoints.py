@@ -63,12 +63,15 @@ class Lion(torch.optim.Optimizer):
                 state["exp_avg"].mul_(beta2).add_(param.grad, alpha=1 - beta2)
 
 
-def initialize(name: str, config: dict, seed: int = 99):
-    """crew.initialize as make_checkpoints.py initializes DeepSpeed for case `name` (a client Lion for "Lion")."""
+def initialize(name: str, config: dict, seed: int = 99, empty_groups: int = 0):
+    """crew.initialize as make_checkpoints.py initializes DeepSpeed for case `name` (a client Lion for "Lion"), with
+    `empty_groups` more param groups without parameters."""
     import crew
 
     case = EXPECTED["cases"][name]
     model, params = made.case_model(name, seed=seed)
+    if empty_groups:
+        params = list(params) + [{"params": [], "weight_decay": 0.0} for _ in range(empty_groups)]
     if case.get("client_optimizer"):
         optimizer = made.client_optimizer(case["client_optimizer"], params)
     elif config.get("optimizer", {}).get("type") == "Lion":
@@ -79,7 +82,7 @@ def initialize(name: str, config: dict, seed: int = 99):
 
 
 def resume(rank: int, name: str, world: int, stage: int | None = None, folder: Path | None = None,
-           **load: bool) -> dict:
+           empty_groups: int = 0, **load: bool) -> dict:
     """A fresh crew engine (as a user's restart: another seed) loads DeepSpeed's checkpoint `name` (from `folder`,
     if given) and trains the steps DeepSpeed trained after its own resume; every micro step's loss averaged over
     the ranks."""
@@ -88,7 +91,7 @@ def resume(rank: int, name: str, world: int, stage: int | None = None, folder: P
     config["train_micro_batch_size_per_gpu"] = made.MICRO * made.WORLD // world
     if stage is not None:
         config["zero_optimization"] = {"stage": stage}
-    engine = initialize(name, config)
+    engine = initialize(name, config, empty_groups=empty_groups)
     path, client = engine.load_checkpoint(folder or DATA / name, **load)
     weights = fp32_weights(engine)
     after_load = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
@@ -159,6 +162,7 @@ TWO_RANKS = [(name, None, {}) for name in EXPECTED["cases"]] + [
     ("fusedadam_stage3_fp32", 0, {}),
     ("cpuadagrad_stage2_offload", 0, {}),
     ("lora_stage3", 1, {}),  # an empty group at ZeRO 1
+    ("lora_stage3", None, {"empty_groups": 1}),  # two empty groups: DSD takes one at most
 ]
 
 
