@@ -42,30 +42,19 @@ def tolerance(case: dict) -> dict:
     return TOLERANCE["kernel" if case["precision"] == "fp32" and not torch_optimizer else case["precision"]]
 
 
-class Lion(torch.optim.Optimizer):
-    """DeepSpeedCPULion's update (deepspeed/ops/csrc/includes/cpu_lion.h, Step_AVX, 0.19.8), as a client's own
-    optimizer: crew has no "Lion" type, and a class it does not know takes DeepSpeed's state as saved."""
-
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), weight_decay: float = 0.0):
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in (param for param in group["params"] if param.grad is not None):
-                state = self.state[param]
-                if not state:
-                    state.update(step=0, exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
-                state["step"] += 1
-                update = (state["exp_avg"] * beta1 + param.grad * (1 - beta1)).sign_()
-                param.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
-                state["exp_avg"].mul_(beta2).add_(param.grad, alpha=1 - beta2)
+def deepspeed_ops_optimizer(section: dict, params) -> torch.optim.Optimizer:
+    """The optimizer DeepSpeed builds for an offloaded config section, as a script under crew builds it itself
+    from crew's deepspeed.ops (crew has no "Lion" type: its Lion cases take this way)."""
+    from crew.deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from crew.deepspeed.ops.adam import DeepSpeedCPUAdam
+    from crew.deepspeed.ops.lion import DeepSpeedCPULion
+    classes = {"Adam": DeepSpeedCPUAdam, "Adagrad": DeepSpeedCPUAdagrad, "Lion": DeepSpeedCPULion}
+    return classes[section["type"]](params, **section["params"])
 
 
-def initialize(name: str, config: dict, seed: int = 99, empty_groups: int = 0):
-    """crew.initialize as make_checkpoints.py initializes DeepSpeed for case `name` (a client Lion for "Lion"), with
-    `empty_groups` more param groups without parameters."""
+def initialize(name: str, config: dict, seed: int = 99, empty_groups: int = 0, ops: bool = False):
+    """crew.initialize as make_checkpoints.py initializes DeepSpeed for case `name`, with `empty_groups` more param
+    groups without parameters; `ops` (and for "Lion"): the config's optimizer built from deepspeed.ops."""
     import crew
 
     case = EXPECTED["cases"][name]
@@ -74,15 +63,15 @@ def initialize(name: str, config: dict, seed: int = 99, empty_groups: int = 0):
         params = list(params) + [{"params": [], "weight_decay": 0.0} for _ in range(empty_groups)]
     if case.get("client_optimizer"):
         optimizer = made.client_optimizer(case["client_optimizer"], params)
-    elif config.get("optimizer", {}).get("type") == "Lion":
-        optimizer = Lion(params, **config.pop("optimizer")["params"])
+    elif ops or config.get("optimizer", {}).get("type") == "Lion":
+        optimizer = deepspeed_ops_optimizer(config.pop("optimizer"), params)
     else:
         return crew.initialize(model=model, model_parameters=params, config=config)[0]
     return crew.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
 def resume(rank: int, name: str, world: int, stage: int | None = None, folder: Path | None = None,
-           empty_groups: int = 0, **load: bool) -> dict:
+           empty_groups: int = 0, ops: bool = False, **load: bool) -> dict:
     """A fresh crew engine (as a user's restart: another seed) loads DeepSpeed's checkpoint `name` (from `folder`,
     if given) and trains the steps DeepSpeed trained after its own resume; every micro step's loss averaged over
     the ranks."""
@@ -91,7 +80,7 @@ def resume(rank: int, name: str, world: int, stage: int | None = None, folder: P
     config["train_micro_batch_size_per_gpu"] = made.MICRO * made.WORLD // world
     if stage is not None:
         config["zero_optimization"] = {"stage": stage}
-    engine = initialize(name, config, empty_groups=empty_groups)
+    engine = initialize(name, config, empty_groups=empty_groups, ops=ops)
     path, client = engine.load_checkpoint(folder or DATA / name, **load)
     weights = fp32_weights(engine)
     after_load = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
@@ -182,6 +171,12 @@ def test_two_ranks_continue_with_deepspeeds_losses():
 def test_one_rank_continues_with_deepspeeds_losses(name):
     """World size 1 (DeepSpeed saved on 2): each rank's partitions merged, the same global batch."""
     check_resumed(name, resume(0, name, 1))
+
+
+@pytest.mark.parametrize("name", ["cpuadam_stage3_offload_bf16", "cpuadagrad_stage2_offload"])
+def test_deepspeeds_optimizer_built_by_the_script_continues(name):
+    """The script builds DeepSpeedCPUAdam/Adagrad itself (crew's deepspeed.ops), as the config would have."""
+    check_resumed(name, resume(0, name, 1, ops=True))
 
 
 def test_load_flags_as_deepspeed():
