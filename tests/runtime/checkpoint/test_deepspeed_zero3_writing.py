@@ -12,8 +12,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import pickle
-import types
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from dist import run_ranks
 
 from crew.runtime.checkpoint import deepspeed_files
 from crew.runtime.checkpoint.deepspeed_files import OPTIM_STATES, ZERO3_MODEL_STATES, read
+from crew.runtime.checkpoint.deepspeed_writing import DEEPSPEED_PICKLE
 
 DATA = Path(__file__).parent / "deepspeed_data"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -212,23 +211,6 @@ def _held(shapes: dict, rank: int, world: int = 2) -> torch.Tensor:
 
 # -- read back by crew's DeepSpeed reader ----------------------------------------------------------------
 
-class _DeepSpeedNames(pickle._Pickler):
-    """Pickles the stand-ins under DeepSpeed's class names, as saving.py does when it writes the files (pickle's
-    Python pickler: the C one insists on importing the module it names)."""
-
-    names = {cls: name.rsplit(".", 1) for cls, name in deepspeed_files.STAND_INS}
-
-    def save_global(self, obj, name=None):
-        if obj not in self.names:
-            return super().save_global(obj, name)
-        self.write(pickle.GLOBAL + "{}\n{}\n".format(*self.names[obj]).encode())
-        self.memoize(obj)
-
-
-DEEPSPEED_NAMES = types.ModuleType("deepspeed_names")  # torch.save(pickle_module=...) subclasses its Pickler
-DEEPSPEED_NAMES.Pickler = _DeepSpeedNames
-
-
 def write_tag(folder: Path, results: list[dict], optim_name: str, exclude_frozen: bool = False) -> Path:
     """The ranks' dicts as a DeepSpeed tag folder (with the keys common to every stage that saving.py adds)."""
     folder.mkdir(parents=True)
@@ -236,8 +218,8 @@ def write_tag(folder: Path, results: list[dict], optim_name: str, exclude_frozen
         model = got["model_without_frozen"] if exclude_frozen else got["model"]
         torch.save({**model, "optimizer": None, "dp_world_size": got["world"], "mp_world_size": 1,
                     "ds_version": "0.19.8"}, folder / ZERO3_MODEL_STATES.format(rank=rank),
-                   pickle_module=DEEPSPEED_NAMES)
-        torch.save(got["optim"], folder / optim_name.format(rank=rank), pickle_module=DEEPSPEED_NAMES)
+                   pickle_module=DEEPSPEED_PICKLE)
+        torch.save(got["optim"], folder / optim_name.format(rank=rank), pickle_module=DEEPSPEED_PICKLE)
     return folder
 
 
