@@ -4,6 +4,10 @@ Each process gets the launcher environment (RANK, WORLD_SIZE, MASTER_ADDR=127.0.
 MASTER_PORT, LOCAL_RANK), one CPU thread, and leaves the process group on exit. Return values come
 back in rank order; an exception in any rank fails the caller with that rank's traceback; a hang
 fails after `timeout` seconds and kills every rank.
+
+run_parts(parts, world_size): several such functions, one after the other in the same ranks (one process start
+for a file's many checks); each part's result or failure comes back on its own, so that a part that fails fails
+only the tests that read it.
 """
 
 from __future__ import annotations
@@ -62,3 +66,37 @@ def run_ranks(fn, world_size: int = 2, *args, timeout: float = 120.0) -> list:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def _parts(rank, parts):
+    done = {}
+    for name, fn, args in parts:
+        try:
+            done[name] = ("ok", fn(rank, *args))
+        except Exception:
+            done[name] = ("error", traceback.format_exc())
+    return done
+
+
+class Parts:
+    """What run_parts brought back: `parts[name]` is that part's results in rank order, or fails with the
+    traceback of the first rank where it raised."""
+
+    def __init__(self, ranks: list[dict]) -> None:
+        self.ranks = ranks
+
+    def __getitem__(self, name: str) -> list:
+        for rank, done in enumerate(self.ranks):
+            status, value = done[name]
+            if status == "error":
+                raise AssertionError(f"part {name!r}, rank {rank} failed:\n{value}")
+        return [done[name][1] for done in self.ranks]
+
+
+def run_parts(parts: dict, world_size: int = 2, timeout: float = 240.0) -> Parts:
+    """Run each `name: (fn, *args)` of `parts`, in order, as fn(rank, *args) in the same `world_size` ranks.
+
+    A part that raises on every rank leaves the next parts to run; one that raises on some ranks only may
+    leave the others waiting in a collective, which the timeout ends (every part then fails)."""
+    listed = [(name, fn, tuple(args)) for name, (fn, *args) in parts.items()]
+    return Parts(run_ranks(_parts, world_size, listed, timeout=timeout))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist import run_ranks
+from dist import run_parts, run_ranks
 
 STEPS = 20
 MICRO, ACCUMULATION, WORLD = 4, 2, 2
@@ -126,8 +126,17 @@ def every_stage_and_frozen(rank: int) -> tuple[dict, dict, dict | str]:
 
 
 @pytest.fixture(scope="module")
-def stages_job() -> list[tuple[dict, dict, dict]]:
-    return run_ranks(every_stage_and_frozen, WORLD)
+def job():
+    """Every two-rank check of this file in the same two processes (one start): the memory first, as in a
+    fresh process; the parts are defined below."""
+    return run_parts({"memory": (memory_by_stage,), "stages": (every_stage_and_frozen,),
+                      "low_precision": (low_precision,), "stage2": (stage2_world,), "init": (init_cases,),
+                      "gather": (gather_at_every_stage,)}, WORLD, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def stages_job(job) -> list[tuple[dict, dict, dict]]:
+    return job["stages"]
 
 
 def test_stages_1_2_3_give_stage_0s_losses_and_weights_with_accumulation_and_clipping(stages_job):
@@ -171,11 +180,11 @@ def low_precision(rank: int) -> dict:
             for stage in (0, 2, 3) for kind in ("bf16", "fp16")}
 
 
-def test_bf16_and_fp16_at_stages_2_and_3_track_stage_0():
+def test_bf16_and_fp16_at_stages_2_and_3_track_stage_0(job):
     # Stage 0 keeps a 16-bit model with fp32 masters and reduces 16-bit gradients once per step; stage 2
     # too, but reduces on every micro step and keeps each master on one rank; stage 3 keeps fp32 shards,
     # computes in 16 bits and reduces in fp32: the same training, not the same bits.
-    ranks = run_ranks(low_precision, WORLD)
+    ranks = job["low_precision"]
     runs = ranks[0]
     for stage in (2, 3):
         for kind in ("bf16", "fp16"):
@@ -282,8 +291,8 @@ def one_process(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 @pytest.fixture(scope="module")
-def stage2_ranks() -> list[dict]:
-    return run_ranks(stage2_world, WORLD)
+def stage2_ranks(job) -> list[dict]:
+    return job["stage2"]
 
 
 def test_stage2_keeps_whole_equal_plain_parameters_on_every_rank(stage2_ranks):
@@ -397,9 +406,9 @@ def memory_by_stage(rank: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_bytes_per_rank_match_each_stages_theory_within_10_percent(world):
+def test_bytes_per_rank_match_each_stages_theory_within_10_percent(job, world):
     theory = {0: 16, 1: 4 + 4 + 8 / world, 2: 4 + (4 + 8) / world, 3: 16 / world}  # fp32 Adam
-    for rank, measured in enumerate(run_ranks(memory_by_stage, world)):
+    for rank, measured in enumerate(job["memory"] if world == WORLD else run_ranks(memory_by_stage, world)):
         for stage, expected in theory.items():
             assert abs(measured[stage] - expected) <= 0.10 * expected, (rank, stage, measured[stage], expected)
 
@@ -474,8 +483,8 @@ def init_cases(rank: int) -> list[dict]:
     return [init_then_train(rank, stage) for stage in (3, 0)] + [init_peak_bytes(rank)]
 
 
-def test_zero_init_partitions_each_module_as_built_with_rank_0s_values_and_never_holds_the_model_whole():
-    for rank in run_ranks(init_cases, WORLD):
+def test_zero_init_partitions_each_module_as_built_with_rank_0s_values_and_never_holds_the_model_whole(job):
+    for rank in job["init"]:
         *trained, memory = rank
         for result in trained:
             for name, (numel, piece, shape, status) in result["placeholders"].items():
@@ -535,8 +544,8 @@ def gather_at_every_stage(rank: int) -> list[dict]:
             for stage, precision in [(3, None), (3, "bf16"), (2, "bf16"), (0, None)]]
 
 
-def test_gathered_parameters_show_whole_tensors_and_write_back_the_modifier_ranks_values():
-    for rank, results in enumerate(run_ranks(gather_at_every_stage, WORLD)):
+def test_gathered_parameters_show_whole_tensors_and_write_back_the_modifier_ranks_values(job):
+    for rank, results in enumerate(job["gather"]):
         assert [result["seen"][3] for result in results[:2]] == [torch.float32, torch.bfloat16]  # DeepSpeed's dtype
         for result in results[:2]:  # stage 3: the parameter object itself is whole inside the block
             assert result["fetched"] == 2 and result["seen"][:3] == ((16, 16), "Tensor", 256)
