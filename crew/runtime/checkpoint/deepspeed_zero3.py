@@ -7,11 +7,13 @@ the world size and gives rank r the r-th 1/world of it. A rank's fp32_flat_group
 parameter of sub group s, one after the other; the base optimizer steps that flat tensor, so its state is keyed
 by sub-group index, each entry flat in the same layout (plus Adam's scalar `step`).
 
-crew's stage 3 is FSDP2: each parameter a DTensor sharded by rows (Shard(0)), whose pieces are not DeepSpeed's
-slices. So every parameter and every optimizer state tensor is gathered whole, one at a time
-(DTensor.full_tensor(), a collective that every rank calls in the same order), and this rank's slice is cut
-from it: no rank holds more than one parameter whole. Under bf16/fp16 the sharded fp32 parameters are the
-master weights; the module's placeholders and frozen fragments are in the 16-bit dtype, as DeepSpeed's.
+crew's stage 3 is FSDP2: each parameter a DTensor sharded by rows (Shard(0)). Where the rows divide evenly over
+the ranks, a rank's rows are exactly its DeepSpeed slice and are taken as they are. Elsewhere (uneven rows, HSDP's
+2-D mesh) the pieces are not DeepSpeed's slices: such a parameter or optimizer state tensor is gathered whole, one
+at a time (DTensor.full_tensor(), a collective that every rank calls in the same order, the choice made from
+shapes alike everywhere), and this rank's slice is cut from it: no rank holds more than one parameter whole.
+Under bf16/fp16 the sharded fp32 parameters are the master weights; the module's placeholders and frozen
+fragments are in the 16-bit dtype, as DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def zero3_model_states(engine, exclude_frozen: bool) -> dict:
     else:
         frozen_shapes = collections.OrderedDict((name, param.shape) for name, param in frozen)
         frozen_fragments = collections.OrderedDict(
-            (name, _partition(_whole(param), engine).to(_lp_dtype(engine, param))) for name, param in frozen)
+            (name, _slice(param, engine).to(_lp_dtype(engine, param))) for name, param in frozen)
     return {
         "module": _module_placeholders(engine, exclude_frozen),
         "buffer_names": _buffer_names(module),
@@ -160,6 +162,27 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor().detach()
 
 
+def _slice(tensor: torch.Tensor, engine, out: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's DeepSpeed slice of `tensor` (see _partition), from its own shard where that is the slice, else
+    gathered whole (a collective)."""
+    shard = _even_shard(tensor, engine.world_size)
+    if shard is None:
+        return _partition(_whole(tensor), engine, out)
+    if out is None:
+        out = torch.empty(shard.numel(), dtype=shard.dtype)
+    return out.copy_(shard.reshape(-1))
+
+
+def _even_shard(value: torch.Tensor, world: int) -> torch.Tensor | None:
+    """FSDP2's local rows when they are this rank's DeepSpeed slice: sharded by rows over the ranks in order, the
+    rows dividing evenly (then every slice is rows/world whole rows, with no padding); else None."""
+    from torch.distributed.tensor import DTensor, Shard
+    if (isinstance(value, DTensor) and tuple(value.placements) == (Shard(0),) and value.dim() > 0
+            and value.shape[0] % world == 0 and value.device_mesh.mesh.flatten().tolist() == list(range(world))):
+        return value.to_local().detach()
+    return None
+
+
 def _partition(whole: torch.Tensor, engine, out: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's slice of `whole` flattened and padded (with zeros) to a multiple of the world size, on the
     CPU; written into `out` when given."""
@@ -174,12 +197,13 @@ def _partition(whole: torch.Tensor, engine, out: torch.Tensor | None = None) -> 
 
 
 def _flat(tensors: list[torch.Tensor], engine, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """This rank's slices of `tensors`, one after the other, in one flat CPU tensor; each gathered in turn."""
+    """This rank's slices of `tensors`, one after the other, in one flat CPU tensor; each gathered in turn where
+    it must be."""
     parts = [_part(tensor.numel(), engine.world_size) for tensor in tensors]
     flat = torch.zeros(sum(parts), dtype=dtype or tensors[0].dtype)
     offset = 0
     for tensor, part in zip(tensors, parts, strict=True):
-        _partition(_whole(tensor), engine, flat[offset:offset + part])
+        _slice(tensor, engine, flat[offset:offset + part])
         offset += part
     return flat
 

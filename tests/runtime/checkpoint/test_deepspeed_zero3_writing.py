@@ -128,7 +128,7 @@ def _live(engine) -> tuple[dict, dict]:
 
 
 def _save_all(rank: int) -> list[dict]:
-    from crew.runtime.checkpoint.deepspeed_zero3 import zero3_model_states, zero3_optim_states
+    from crew.runtime.checkpoint.deepspeed_zero3 import _even_shard, zero3_model_states, zero3_optim_states
     tied, before = _train_tied()
     engines = [(name, _train_fixture_case(name)) for name in CASES] + [("tied", tied)]
     out = []
@@ -137,7 +137,9 @@ def _save_all(rank: int) -> list[dict]:
         out.append({"name": name, "model": zero3_model_states(engine, exclude_frozen=False),
                     "model_without_frozen": zero3_model_states(engine, exclude_frozen=True),
                     "optim": zero3_optim_states(engine), "weights": weights, "state": state,
-                    "world": engine.world_size, "before": before if name == "tied" else None})
+                    "world": engine.world_size, "before": before if name == "tied" else None,
+                    "not_gathered": [key for key, param in engine.module.named_parameters()
+                                     if _even_shard(param, engine.world_size) is not None]})
     return out
 
 
@@ -221,6 +223,13 @@ def write_tag(folder: Path, results: list[dict], optim_name: str, exclude_frozen
                    pickle_module=DEEPSPEED_PICKLE)
         torch.save(got["optim"], folder / optim_name.format(rank=rank), pickle_module=DEEPSPEED_PICKLE)
     return folder
+
+
+def test_rows_that_divide_evenly_are_taken_from_the_shard_without_a_gather(saved):
+    """FSDP2's rows are DeepSpeed's slice where they divide evenly over the ranks: LoRA's A matrices (2 rows) are
+    written from the local shard, the rest gathered; test_the_files_hold... checks both against DeepSpeed's."""
+    assert saved["lora_stage3"][0]["not_gathered"] == ["fc1_lora_a.weight", "fc2_lora_a.weight"]
+    assert saved["stage3_fp32"][0]["not_gathered"] == []
 
 
 @pytest.mark.parametrize("name", [*CASES, "tied"])
