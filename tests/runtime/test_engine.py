@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from dist import run_ranks
+from dist import run_parts
 
 STEPS = 4
 GLOBAL_BATCH = 16
@@ -67,10 +67,20 @@ def assert_same_params(actual: dict, expected: dict) -> None:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Every two-rank check of this file in the same two processes (one start); the parts are defined below."""
+    folder = str(tmp_path_factory.mktemp("accelerate_order"))
+    return run_parts({"clipping 0.0": (train_with_engine, config(4, 2, 0.0)),
+                      "clipping 0.5": (train_with_engine, config(4, 2, 0.5)),
+                      "boundary": (check_accumulation_boundary,), "offloaded": (train_offloaded,),
+                      "accelerate": (accelerate_resumes, folder)}, 2)
+
+
 @pytest.mark.parametrize("clipping", [0.0, 0.5])
-def test_two_ranks_with_accumulation_equal_one_big_batch(clipping):
+def test_two_ranks_with_accumulation_equal_one_big_batch(job, clipping):
     expected = train_plain_torch(clipping)
-    ranks = run_ranks(train_with_engine, 2, config(4, 2, clipping))
+    ranks = job[f"clipping {clipping}"]
     for result in ranks:
         assert_same_params(result["params"], expected)
         assert result["steps"] == STEPS
@@ -114,8 +124,8 @@ def check_accumulation_boundary(rank: int) -> dict:
     return seen
 
 
-def test_no_sync_and_no_step_until_the_accumulation_boundary():
-    for seen in run_ranks(check_accumulation_boundary, 2):
+def test_no_sync_and_no_step_until_the_accumulation_boundary(job):
+    for seen in job["boundary"]:
         assert seen == {
             "boundary0": False, "grads_equal0": False, "changed0": False, "global_steps0": 0,
             "boundary1": True, "grads_equal1": True, "changed1": True, "global_steps1": 1,
@@ -292,9 +302,9 @@ def train_offloaded(rank: int) -> dict:
     return seen
 
 
-def test_offloaded_optimizer_and_stage1_bf16_keep_each_fp32_master_on_its_owner_only():
+def test_offloaded_optimizer_and_stage1_bf16_keep_each_fp32_master_on_its_owner_only(job):
     expected = train_plain_torch(0.5)
-    results = run_ranks(train_offloaded, 2)
+    results = job["offloaded"]
     for stage in (1, 2):
         for seen in results:
             assert_same_params(seen[stage]["params"], expected)
@@ -341,9 +351,9 @@ def accelerate_resumes(rank: int, folder: str) -> dict:
     return seen
 
 
-def test_accelerate_order_averages_once_per_step_and_resumes_bit_for_bit(tmp_path):
+def test_accelerate_order_averages_once_per_step_and_resumes_bit_for_bit(job):
     expected = train_plain_torch(0.5)  # one process, the 16 samples of each step at once
-    for seen in run_ranks(accelerate_resumes, 2, str(tmp_path)):
+    for seen in job["accelerate"]:
         assert_same_params(seen["uninterrupted"], expected)
         assert_same_params(seen["stage2"], expected)
         for resume_at in (1, 2):
