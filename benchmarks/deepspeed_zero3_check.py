@@ -44,7 +44,8 @@ FUSED_ADAM = {"type": "Adam", "params": {"lr": 0.02, "weight_decay": 0.01}}  # F
 # a parameter group that doesn't match the size of optimizer's group": the rebuilt group still holds the flat
 # tensor when _rigid_load_state_dict appends it again).
 ADAGRAD = {"type": "Adagrad", "params": {"lr": 0.05, "weight_decay": 0.01}}
-# name: (model "tiny" or "tied", precision, config changes, param groups: None, "weights_biases", "with_empty")
+# name: (model "tiny", "lora" (make_checkpoints.py's) or "tied" (below), precision, config changes,
+#        param groups: None, "weights_biases", "with_empty")
 CASES = {
     "stage3_fp32": ("tiny", "fp32", {}, None),
     "stage3_bf16": ("tiny", "bf16", {}, None),
@@ -56,6 +57,9 @@ CASES = {
         "stage": 3, "offload_optimizer": {"device": "cpu"}}}, None),
     "stage3_fp32_cpuadagrad_offload": ("tiny", "fp32", {"optimizer": ADAGRAD, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu"}}}, None),
+    # PEFT-style: frozen base, LoRA's A matrices with rows that divide by 2 (written from crew's own shard), an
+    # empty no-decay group
+    "stage3_fp32_lora_fusedadam": ("lora", "fp32", {"optimizer": FUSED_ADAM}, None),
     "stage3_fp32_tied_frozen_empty_group": ("tied", "fp32", {"optimizer": FUSED_ADAM, "zero_optimization": {
         "stage": 3, "sub_group_size": 40}}, "with_empty"),
 }
@@ -87,6 +91,9 @@ def _tied_model():
 def case_model(name: str, seed: int):
     import torch
     kind, _, _, grouping = CASES[name]
+    if kind == "lora":
+        model = made.build_lora_model(seed)
+        return model, made.lora_groups(model)
     if kind == "tiny":
         model = made.build_model(seed)
     else:
@@ -114,7 +121,7 @@ def case_config(name: str) -> dict:
 def micro_loss(name: str, engine, step: int, micro_step: int, rank: int, world: int):
     import torch
     kind, precision, _, _ = CASES[name]
-    if kind == "tiny":
+    if kind in ("tiny", "lora"):
         inputs, targets = made.batch(step, micro_step, rank, world)
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         return made.loss_of(engine(inputs.to(dtype)), targets)
