@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist import run_ranks
 
 import crew.deepspeed.utils.zero_to_fp32 as zero_to_fp32
 from crew.runtime.checkpoint import CheckpointError
@@ -173,3 +174,29 @@ def test_checkpoints_of_crew_0_1_give_their_fp32_weights():
             torch.testing.assert_close(state[key], value, **({"rtol": 0.05, "atol": 0.05} if "bf16" in name else {}))
     with pytest.raises(FileNotFoundError, match="can't find \\*_optim_states.pt files"):  # DeepSpeed's files only
         zero_to_fp32.get_optim_files(str(folder / "stage2_fp32" / "global_step3"))
+
+
+def _crew_stage0_bf16(rank: int, folder: str) -> dict:
+    import crew
+    from crew.deepspeed.utils import safe_get_full_fp32_param
+
+    model = made.FrozenTiedModel()
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.05}}}  # FusedAdam: FP16_Optimizer's flat fp32 copies
+    engine, _, _, _ = crew.initialize(model=model, config=config,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine.backward(engine(torch.randn(2, 7).bfloat16()).float().pow(2).mean())
+    engine.step()
+    engine.save_checkpoint(folder)
+    return {name: safe_get_full_fp32_param(param).clone() for name, param in engine.module.named_parameters()}
+
+
+def test_crews_stage0_bf16_checkpoint_with_flat_fp32_copies_gives_its_masters(tmp_path):
+    """DeepSpeed keeps FusedAdam's fp32 copies flat at stage 0 under bf16 and its zero_to_fp32 cannot read stage 0;
+    crew's checkpoint names the flat copies' parameters (crew_state.pt): zero_to_fp32 gives the masters exactly."""
+    masters = run_ranks(_crew_stage0_bf16, 1, str(tmp_path))[0]
+    state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    assert state["frozen.weight"].dtype == torch.float32 and state["scale"].dtype == torch.float32
+    for name in ("embed.weight", "mid.weight", "mid.bias"):
+        assert torch.equal(state[name], masters[name]), name
+    assert torch.equal(state["out.weight"], state["embed.weight"])

@@ -271,16 +271,14 @@ def _state_dict_of_tag(ds_checkpoint_dir, exclude_frozen_parameters):
 def _whole_module(tag_dir: Path, exclude_frozen_parameters: bool) -> dict[str, torch.Tensor] | None:
     """Stage 0 (the module file names no parameter shapes) or an earlier crew's folder: the module's weights in
     fp32; None for a ZeRO folder in DeepSpeed's layout."""
-    from crew.runtime.checkpoint import deepspeed_format, exporting
+    from crew.runtime.checkpoint import exporting
 
     if (tag_dir / MODEL_STATES).is_file():
         if read(tag_dir / MODEL_STATES).get("param_shapes") is not None:
             return None
-        module = deepspeed_format.read_fp32_module(tag_dir)
     elif (tag_dir / ZERO3_MODEL_STATES.format(rank=0)).is_file() or not (tag_dir / MANIFEST).is_file():
         return None
-    else:
-        module = exporting.read_fp32_module(tag_dir)
+    module = exporting.read_fp32_module(tag_dir)  # as `crew export`: crew's own files name stage 0's flat copies
     if exclude_frozen_parameters:
         warn_once(f"zero_to_fp32: {tag_dir} does not record which parameters were frozen (a stage-0 checkpoint or "
                   "one of an earlier crew): exclude_frozen_parameters has no effect, every parameter is returned")

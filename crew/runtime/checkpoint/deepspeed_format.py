@@ -240,9 +240,13 @@ def module_state(tag: _Tag, params: dict[str, torch.Tensor]) -> dict[str, torch.
     frozen = _frozen(tag)
     shared = tag.model.get("shared_params") or {}
     buffers = set(tag.model.get("buffer_names") or ())
+    # A tied parameter saved under two names is one storage in the file (torch.save keeps the sharing): the
+    # second name takes the first's fp32 weights (stage 0 saves no shared_params). Empty placeholders excluded.
+    tied = {saved.data_ptr(): name for name, saved in tag.model["module"].items() if name in params and saved.numel()}
     out = {}
     for name, saved in tag.model["module"].items():
-        value = params.get(name, params.get(shared.get(name), frozen.get(name, saved)))
+        twin = tied.get(saved.data_ptr()) if saved.numel() else None
+        value = params.get(name, params.get(shared.get(name), params.get(twin, frozen.get(name, saved))))
         if value is saved and tag.stage == 3 and name not in buffers:
             raise CheckpointError(f"{tag.model_file}: {name} is partitioned and its partitions are in no optimizer "
                                   "file: the checkpoint is incomplete")
@@ -250,11 +254,12 @@ def module_state(tag: _Tag, params: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def read_fp32_module(folder: Path) -> dict[str, torch.Tensor]:
+def read_fp32_module(folder: Path, position_groups: list[list[str]] | None = None) -> dict[str, torch.Tensor]:
     """`crew export` of a DeepSpeed tag: the whole module, floating-point tensors in fp32 (the fp32 master
-    weights where DeepSpeed keeps them apart)."""
+    weights where DeepSpeed keeps them apart). position_groups: the optimizer groups' parameter names where the
+    save recorded them (crew's crew_state.pt), for stage 0's flat fp32 copies."""
     tag = _Tag(Path(folder))
-    return module_state(tag, fp32_params(tag, None))
+    return module_state(tag, fp32_params(tag, position_groups))
 
 
 # -- optimizer state -------------------------------------------------------------------------------

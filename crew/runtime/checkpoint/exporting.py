@@ -21,6 +21,7 @@ from crew.runtime.checkpoint.layout import (
     SHARDED_DIR,
     CheckpointError,
     model_state_files,
+    read,
     read_latest,
     read_manifest,
     read_model_states,
@@ -95,7 +96,10 @@ def read_fp32_module(folder: Path) -> dict[str, torch.Tensor]:
         for name in manifest.get("files") or {}:
             if name.endswith("_states.pt"):
                 verifier.check(folder / name)
-        module = deepspeed_format.read_fp32_module(folder)
+        verifier.check(folder / CREW_STATE)
+        groups = [group.get("params") for group in read(folder / CREW_STATE).get("optimizer_groups") or []]
+        named = groups and all(isinstance(names, list) and all(isinstance(n, str) for n in names) for names in groups)
+        module = deepspeed_format.read_fp32_module(folder, groups if named else None)  # names stage 0's flat copies
     elif manifest["format"] == SHARDED:
         module, _ = checkpoint_sharded.read_full(folder / SHARDED_DIR, verifier)
     else:
