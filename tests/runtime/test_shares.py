@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
-from dist import run_ranks
+from dist import run_parts, run_ranks
 
 from crew.errors import ConfigError, CrewError
 from crew.runtime import balance, batch
@@ -271,12 +271,27 @@ def assert_same_params(actual: dict, expected: dict) -> None:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("sizes, extra", [([5, 3], {}), ([2, 5, 1], {}),
-                                          ([5, 3], {"zero_optimization": {"stage": 3}})])
-def test_unequal_shares_give_the_update_of_one_process_taking_the_global_batch(sizes, extra):
-    steps, global_batch = 6, sum(sizes) * 2
+SHARES_STEPS = 6
+STAGE3 = {"zero_optimization": {"stage": 3}}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Every two-rank check of this file in the same two processes (one start); the parts are defined below."""
+    folder = str(tmp_path_factory.mktemp("shares_checkpoint"))
+    return run_parts({"[5, 3] {}": (train_shares, ds_config([5, 3], 2, 0.5), SHARES_STEPS),
+                      f"[5, 3] {STAGE3}": (train_shares, ds_config([5, 3], 2, 0.5, **STAGE3), SHARES_STEPS),
+                      "auto": (train_auto, [[1.0, 3.0], [3.0, 1.0]], AUTO_STEPS),
+                      "save_resume": (train_save_resume, folder, 6), "errors": (initialize_errors,)}, 2)
+
+
+@pytest.mark.parametrize("sizes, extra", [([5, 3], {}), ([2, 5, 1], {}), ([5, 3], STAGE3)])
+def test_unequal_shares_give_the_update_of_one_process_taking_the_global_batch(job, sizes, extra):
+    steps, global_batch = SHARES_STEPS, sum(sizes) * 2
     expected = one_process(steps, global_batch, clipping=0.5)
-    for params in run_ranks(train_shares, len(sizes), ds_config(sizes, 2, 0.5, **extra), steps):
+    ranks = job[f"{sizes} {extra}"] if len(sizes) == 2 else run_ranks(
+        train_shares, len(sizes), ds_config(sizes, 2, 0.5, **extra), steps)
+    for params in ranks:
         assert_same_params(params, expected)
 
 
@@ -324,9 +339,12 @@ def train_auto(rank: int, delays: list[list[float]], steps: int) -> dict:
             "params": {name.removeprefix("inner."): value for name, value in model.state_dict().items()}}
 
 
-def test_auto_moves_samples_to_the_faster_rank_and_follows_a_drift_without_changing_the_math():
-    steps = 48
-    ranks = run_ranks(train_auto, 2, [[1.0, 3.0], [3.0, 1.0]], steps)
+AUTO_STEPS = 48
+
+
+def test_auto_moves_samples_to_the_faster_rank_and_follows_a_drift_without_changing_the_math(job):
+    steps = AUTO_STEPS
+    ranks = job["auto"]
     history = ranks[0]["history"]
     assert ranks[1]["history"] == history
     assert history[0] == [8, 8]
@@ -366,8 +384,8 @@ def train_save_resume(rank: int, folder: str, steps: int) -> dict:
             "params": copy.deepcopy(model.state_dict())}
 
 
-def test_a_checkpoint_keeps_the_shares_and_the_data_position(tmp_path):
-    for result in run_ranks(train_save_resume, 2, str(tmp_path), 6):
+def test_a_checkpoint_keeps_the_shares_and_the_data_position(job):
+    for result in job["save_resume"]:
         assert result["saved"] == result["resumed"] != [8, 8]
         assert_same_params(result["params"], result["uninterrupted"])
 
@@ -385,8 +403,8 @@ def initialize_errors(rank: int) -> list[str]:
     return messages
 
 
-def test_auto_needs_crew_s_loader_and_ddp():
-    for messages in run_ranks(initialize_errors, 2):
+def test_auto_needs_crew_s_loader_and_ddp(job):
+    for messages in job["errors"]:
         assert len(messages) == 2
         assert "pass initialize(training_data=your_dataset)" in messages[0]
         assert "needs ZeRO stage 0, 1 or 2" in messages[1] and "[8, 8]" in messages[1]
