@@ -104,6 +104,19 @@ def _train_fp16():
     return engine
 
 
+def _train_hsdp():
+    """Sharded within groups of 1 rank and replicated over 2 (mics_shard_size: FSDP2 on a 2-D mesh, HSDP): every
+    parameter is gathered, DeepSpeed's slices are still over the whole world."""
+    import crew
+    extra = {"zero_optimization": {"stage": 3, "mics_shard_size": 1}}
+    engine, _, _, _ = crew.initialize(model=made.build_model(seed=0), config=made.config(3, "fp32", extra))
+    for micro_step in range(made.ACCUMULATION):
+        inputs, targets = made.batch(0, micro_step, torch.distributed.get_rank(), torch.distributed.get_world_size())
+        engine.backward(made.loss_of(engine(inputs), targets))
+        engine.step()
+    return engine
+
+
 def _train_adagrad_offload():
     """One step of "Adagrad" with offload_optimizer, for which DeepSpeed builds its CPU Adagrad."""
     import crew
@@ -132,7 +145,8 @@ def _save_all(rank: int) -> list[dict]:
     tied, before = _train_tied()
     engines = [(name, _train_fixture_case(name)) for name in CASES] + [("tied", tied)]
     out = []
-    for name, engine in engines + [("adagrad", _train_adagrad_offload()), ("fp16", _train_fp16())]:
+    engines += [("adagrad", _train_adagrad_offload()), ("fp16", _train_fp16()), ("hsdp", _train_hsdp())]
+    for name, engine in engines:
         weights, state = _live(engine)
         out.append({"name": name, "model": zero3_model_states(engine, exclude_frozen=False),
                     "model_without_frozen": zero3_model_states(engine, exclude_frozen=True),
@@ -232,7 +246,7 @@ def test_rows_that_divide_evenly_are_taken_from_the_shard_without_a_gather(saved
     assert saved["stage3_fp32"][0]["not_gathered"] == []
 
 
-@pytest.mark.parametrize("name", [*CASES, "tied"])
+@pytest.mark.parametrize("name", [*CASES, "tied", "hsdp"])
 def test_crews_reader_gives_the_live_engines_weights_and_optimizer_state(saved, name, tmp_path):
     from crew.runtime.checkpoint import deepspeed_format
     prefix = "bf16_" if name in CASES and EXPECTED["cases"][name]["precision"] == "bf16" else ""
