@@ -10,10 +10,14 @@ repetition to the next so that machine drift hits all of them alike:
 * crew: `engine.save_checkpoint(dir, tag)` on every rank, timed on rank 0 from a barrier before
   the call to its return: state dicts, torch.save under temporary names (each file's crc32 computed
   from the bytes as they are written), fsync of every file, a barrier, the rename of the staging
-  folder into place and `latest` (atomic and durable). Then `engine.load_checkpoint(dir)`, also on
-  every rank, timed on rank 0: every rank checks the size and crc32 of the files it reads against
-  the manifest (a read of each file), torch.load(weights_only=True)s the model_states parts and its
-  rank file and loads them into module, optimizer and counters.
+  folder into place and `latest` (atomic and durable). The model is trained at ZeRO stage 0, so the
+  tag holds DeepSpeed's one mp_rank_00_model_states.pt (module and optimizer, written by rank 0; crew
+  before 0.2 wrote this replicated state as byte-balanced parts, one a rank, in parallel), crew_state.pt
+  and the rank files. Then `engine.load_checkpoint(dir)`, also on every rank, timed on rank 0: every
+  rank checks the size and crc32 of the files it reads against the manifest (a read of each file, the
+  work shared among the ranks of a machine), torch.load(weights_only=True)s the model states and its
+  rank file, matches the optimizer state to the parameters and loads them into module, optimizer and
+  counters.
 * plain torch.save: rank 0 alone does `torch.save({"module": module.state_dict(), "optimizer":
   optimizer.state_dict()}, path)` (no fsync: the data may still be in the page cache when it
   returns, and a crash mid-write leaves a truncated file under the final name). Load: rank 0 does
@@ -90,11 +94,14 @@ def folder_bytes(folder: Path) -> int:
 # phases of crew's save and load: exclusive time per wrapped function (rank 0)
 
 # label: the wrapped functions as "module.name", in the module that looks the name up when crew calls
-# it; module: saving, loading, layout or integrity of crew.runtime.checkpoint, or torch, os, comm. The
+# it; module: saving, loading, layout, integrity, deepspeed_writing or deepspeed_format of
+# crew.runtime.checkpoint, or torch, os, comm. The
 # The crc32 of a save is computed inside the writes (in "torch.save (serialise + write)"); that of a load
 # is its own phase
 SAVE_PHASES = {
-    "state dicts": ["saving._engine_state", "saving._rank_state", "saving._client_state_bytes"],
+    "state dicts": ["saving._engine_state", "saving._rank_state", "saving._client_state_bytes",
+                    "saving.fp32_module_state", "saving.groups_by_name", "saving._steps",
+                    "deepspeed_writing.model_states", "deepspeed_writing.as_deepspeeds"],
     "torch.save (serialise + write)": ["torch.save"],
     "os.fsync (files + folders)": ["os.fsync"],
     "barrier (wait for all ranks)": ["comm.barrier"],
@@ -104,7 +111,10 @@ SAVE_PHASES = {
 }
 LOAD_PHASES = {
     "verify crc32 (read + checksum)": ["integrity.file_digest"],
-    "torch.load (weights_only)": ["loading.read", "layout.read"],  # layout.read_model_states reads the parts
+    "torch.load (weights_only)": ["loading.read", "layout.read", "deepspeed_format.read"],
+    "DeepSpeed's layout -> by name": ["deepspeed_format.fp32_params", "deepspeed_format.module_state",
+                                      "deepspeed_format._stage0_optimizer", "deepspeed_format._zero_optimizer",
+                                      "loading._prepare_optimizer_state"],
     "check shapes": ["loading._check_fits"],
     "load into module + optimizer": ["loading._load_weights", "loading._load_the_rest"],
     "collectives": ["loading.agree"],
@@ -142,7 +152,7 @@ class Phases:
         from crew.runtime import comm
 
         owners = {name: importlib.import_module(f"crew.runtime.checkpoint.{name}")
-                  for name in ("saving", "loading", "layout", "integrity")}
+                  for name in ("saving", "loading", "layout", "integrity", "deepspeed_writing", "deepspeed_format")}
         owners.update(torch=torch, os=os, comm=comm)
         patched = []
         for label, names in self.phases.items():

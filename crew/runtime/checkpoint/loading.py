@@ -14,6 +14,7 @@ from crew.runtime import comm
 from crew.runtime.checkpoint import deepspeed_format
 from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere, where
 from crew.runtime.checkpoint.deepspeed_files import is_deepspeed_tag
+from crew.runtime.checkpoint.exporting import crews_fp32_module
 from crew.runtime.checkpoint.integrity import Verifier, identity, share_out
 from crew.runtime.checkpoint.layout import (
     CLIENT_STATE,
@@ -165,7 +166,7 @@ def _read_deepspeed_layout(engine, folder: Path, states: dict, load_optimizer_st
     model = states["model"]
     if not (load_optimizer_states and not module_only and engine.optimizer is not None):
         # DeepSpeed then takes the 16-bit module's weights; crew's own load keeps the fp32 masters, as before
-        model["module"] = deepspeed_format.read_fp32_module(folder)
+        model["module"] = crews_fp32_module(folder)
     for key in ("precision", "micro_steps", "boundary_override", "micro_batch_sizes", "world_size"):
         model[key] = extras[key]
     optimizer = model.get("optimizer")
