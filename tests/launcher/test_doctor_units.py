@@ -72,3 +72,40 @@ def test_table_marks_failures_and_skips():
     assert doctor.format_table([ok, bad]).splitlines() == [
         "node  host  ssh     disk", "0     a     ok      -", "1     bb    ✗ FAIL  -"]
     assert doctor.format_problems([ok, bad]) == "✗ bb (node 1) ssh: refused\n    fix: start it"
+
+
+FAKE_TORCH_INIT = """
+import os
+open(os.environ["IMPORTED"], "w").close()
+class cuda:
+    is_available = staticmethod(lambda: True)
+    device_count = staticmethod(lambda: 3)
+    class nccl:
+        version = staticmethod(lambda: (2, 21, 5))
+"""
+
+
+@pytest.mark.parametrize("build, imported, runtime", [
+    ({"cuda": None, "hip": None}, False, {"nccl": None, "devices": 0}),  # a CPU build: nothing to import for
+    ({"cuda": "12.1", "hip": None}, True, {"nccl": "2.21.5", "devices": 3}),
+    ({"cuda": None, "hip": "6.0"}, True, {"nccl": "2.21.5", "devices": 3}),  # ROCm's GPUs are torch.cuda's too
+])
+def test_the_full_probe_imports_torch_only_for_a_gpu_build(tmp_path, build, imported, runtime):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH_INIT)
+    (tmp_path / "torch" / "version.py").write_text(
+        "__version__ = '2.9.0'\n" + "".join(f"{key} = {value!r}\n" for key, value in build.items()))
+    marker = tmp_path / "imported"
+    code = "import json; from crew.launcher.preflight import probe; print(json.dumps(probe.versions(full=True)))"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "IMPORTED": str(marker)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    assert (found["torch"], found["cuda"]) == ("2.9.0", build["cuda"])
+    assert {key: found[key] for key in runtime} == runtime
+    assert marker.exists() is imported

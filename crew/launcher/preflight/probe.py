@@ -4,9 +4,9 @@ Started on every node like the agent (same runner, same Python, in the job's wor
 same JobSpec on stdin or as base64 under pdsh). It prints one `probe` event line with the facts and
 exits; the launching side compares the nodes and says what to fix. The quick mode (the preflight)
 imports nothing heavy: the torch and CUDA versions are read from torch's version.py. `--full` (the
-doctor) also imports torch for NCCL and the devices, hashes the working directory's files, checks the
-socket interfaces and the save dir, and tests the master port end to end: node 0 listens on it and
-every node connects to it through the master address.
+doctor) also imports torch for NCCL and the devices (where torch was built for GPUs), hashes the working
+directory's files, checks the socket interfaces and the save dir, and tests the master port end to end:
+node 0 listens on it and every node connects to it through the master address.
 """
 
 from __future__ import annotations
@@ -34,23 +34,26 @@ _CHUNK = 1 << 20
 
 
 def versions(full: bool) -> dict:
+    build = _torch_build()
     found = {"python": sys.version.split()[0], "python_path": sys.executable,
              "crew": crew.__version__, "crew_path": str(Path(crew.__file__).parent),
-             **_torch_build()}
+             "torch": build["torch"], "cuda": build["cuda"]}
     if full and found["torch"]:
-        found.update(_torch_runtime())
+        # a torch built for the CPU only (neither CUDA nor ROCm) has no GPU to count and no NCCL: no import
+        found.update(_torch_runtime() if build["gpu_build"] else {"nccl": None, "devices": 0})
     return found
 
 
 def _torch_build() -> dict:
-    """torch's version and CUDA build from its version.py, without importing torch (seconds)."""
+    """torch's version and CUDA build from its version.py, without importing torch (seconds), and whether it
+    was built for GPUs (CUDA or ROCm; when version.py cannot be read, it may have been)."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.origin:
-        return {"torch": None, "cuda": None}
+        return {"torch": None, "cuda": None, "gpu_build": False}
     try:
         tree = ast.parse(Path(spec.origin).with_name("version.py").read_text())
     except (OSError, SyntaxError):
-        return {"torch": "unknown", "cuda": None}
+        return {"torch": "unknown", "cuda": None, "gpu_build": True}
     values = {}
     for node in tree.body:
         target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
@@ -59,7 +62,8 @@ def _torch_build() -> dict:
                 values[target.id] = ast.literal_eval(node.value)
             except ValueError:
                 continue
-    return {"torch": values.get("__version__", "unknown"), "cuda": values.get("cuda")}
+    return {"torch": values.get("__version__", "unknown"), "cuda": values.get("cuda"),
+            "gpu_build": values.get("cuda") is not None or values.get("hip") is not None or "__version__" not in values}
 
 
 def _torch_runtime() -> dict:
