@@ -148,7 +148,9 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
             return client(masters)
         if section is None:
             return None  # a model-only engine (evaluation, as DeepSpeed's); step() says what is missing
-        return build_optimizer(section.type, section.params, masters)
+        # DeepSpeed's zero_use_cpu_optimizer(): the config alone picks its CPU optimizers ("Lion": DeepSpeedCPULion)
+        offload = (self.crew_config.zero_optimization.model_extra or {}).get("offload_optimizer") or {}
+        return build_optimizer(section.type, section.params, masters, cpu_optimizer=offload.get("device") == "cpu")
 
     def _scheduler(self, client):
         if client is not None:

@@ -1,9 +1,10 @@
 """DeepSpeed `optimizer` / `scheduler` config sections -> torch.optim objects.
 
 Optimizers follow `DeepSpeedEngine._configure_basic_optimizer` (deepspeed/runtime/engine.py, 0.19.1):
-"Adam"/"AdamW"/"Adagrad" match case-insensitively; other names are looked up on torch.optim. DeepSpeed's
+"Adam"/"AdamW"/"Adagrad"/"Lion" match case-insensitively; other names are looked up on torch.optim. DeepSpeed's
 "Adam" is FusedAdam in AdamW mode, so it becomes torch.optim.AdamW with FusedAdam's defaults
-(weight_decay 0.0, not torch's 0.01) unless `torch_adam` asks for torch's classes as they are.
+(weight_decay 0.0, not torch's 0.01) unless `torch_adam` asks for torch's classes as they are. "Lion" is
+DeepSpeedCPULion where the config offloads the optimizer, else FusedLion (crew/runtime/lion.py), as in DeepSpeed.
 
 Schedulers follow deepspeed/runtime/lr_schedules.py (0.19.1): one class per DeepSpeed schedule, same
 parameter names and defaults, same lr at construction and after every step(), same
@@ -25,7 +26,7 @@ import torch
 from torch.optim import Optimizer
 
 from crew.errors import ConfigError
-from crew.runtime import adam
+from crew.runtime import adam, lion
 
 __all__ = [
     "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "adam_kernel", "build_optimizer",
@@ -46,10 +47,10 @@ _ADAM_NAMES = ("Adam", "AdamW")
 # DeepSpeed reaches these through getattr(torch.optim, type); Adagrad it names itself (same class).
 _TORCH_NAMES = ("Adagrad", "SGD", "Adadelta", "Adafactor", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
 _TORCH_OPTIMIZERS = {name: getattr(torch.optim, name) for name in _TORCH_NAMES if hasattr(torch.optim, name)}
-SUPPORTED_OPTIMIZERS = _ADAM_NAMES + tuple(_TORCH_OPTIMIZERS)
+SUPPORTED_OPTIMIZERS = _ADAM_NAMES + tuple(_TORCH_OPTIMIZERS) + ("Lion",)
 
 _UNSUPPORTED_OPTIMIZERS = {
-    "lamb": "DeepSpeed's FusedLamb CUDA kernel", "lion": "DeepSpeed's FusedLion/CPU Lion kernels",
+    "lamb": "DeepSpeed's FusedLamb CUDA kernel",
     "onebitadam": "DeepSpeed's 1-bit Adam, compressed communication",
     "zerooneadam": "DeepSpeed's 0/1 Adam, compressed communication",
     "onebitlamb": "DeepSpeed's 1-bit LAMB, compressed communication",
@@ -62,10 +63,13 @@ _UNSUPPORTED_OPTIMIZERS = {
 _CLASS_NAMES = ("fusedadam", "cpuadam", "deepspeedcpuadam", "zenflowcpuadam")
 
 
-def build_optimizer(type_name: str, params: dict | None, model_parameters: Iterable) -> Optimizer:
+def build_optimizer(type_name: str, params: dict | None, model_parameters: Iterable, *,
+                    cpu_optimizer: bool = False) -> Optimizer:
     """The torch optimizer that DeepSpeed's `{"optimizer": {"type": ..., "params": ...}}` means.
 
-    `params` is not modified. Raises ConfigError naming `optimizer.type` or `optimizer.params.<key>`.
+    `cpu_optimizer`: the config offloads the optimizer (DeepSpeed's zero_use_cpu_optimizer(): offload_optimizer
+    on "cpu"), whatever the device and stage; it picks DeepSpeedCPULion over FusedLion. `params` is not modified.
+    Raises ConfigError naming `optimizer.type` or `optimizer.params.<key>`.
     """
     name = _optimizer_name(type_name)
     params = dict(params or {})
@@ -76,6 +80,10 @@ def build_optimizer(type_name: str, params: dict | None, model_parameters: Itera
         )
     if name in _ADAM_NAMES:
         return _build_adam(name, params, model_parameters)
+    if name == "Lion":  # DeepSpeed hands the params to the class as they are: its defaults apply
+        cls = lion.DeepSpeedCPULion if cpu_optimizer else lion.FusedLion
+        _check_keys(params, _init_keys(cls), "optimizer.params", f"Lion ({cls.__name__})")
+        return cls(model_parameters, **_checked_values(params))
     cls = _TORCH_OPTIMIZERS[name]
     _check_keys(params, _init_keys(cls), "optimizer.params", f"torch.optim.{cls.__name__}")
     return cls(model_parameters, **_checked_values(params))

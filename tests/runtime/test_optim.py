@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from crew.errors import ConfigError
+from crew.runtime.lion import DeepSpeedCPULion, FusedLion
 from crew.runtime.optim import (
     LRRangeTest,
     OneCycle,
@@ -511,12 +512,60 @@ def test_set_grad_none_false_warns(caplog):
     assert "set_grad_none=False is ignored" in caplog.text
 
 
-@pytest.mark.parametrize("name", ["Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lion", "MuAdam", "MuAdamW",
-                                  "MuSGD", "Muon", "LBFGS", "SparseAdam"])  # fmt: skip
+@pytest.mark.parametrize("name", ["Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD",
+                                  "Muon", "LBFGS", "SparseAdam"])  # fmt: skip
 def test_unsupported_optimizer_names(name):
     with pytest.raises(ConfigError, match=rf"optimizer.type '{name}' \(.*\) is not available in crew. Use one of: "
                                           r"Adam, AdamW, Adagrad, SGD.*crew.initialize\(optimizer=...\)"):  # fmt: skip
         build_optimizer(name, {}, [torch.nn.Parameter(torch.zeros(2))])
+
+
+@pytest.mark.parametrize(("name", "cpu_optimizer", "cls"), [
+    ("Lion", False, FusedLion), ("lion", True, DeepSpeedCPULion), ("LION", False, FusedLion)])
+def test_lion_is_deepspeeds_class_with_its_defaults(name, cpu_optimizer, cls):
+    """engine.py _configure_basic_optimizer: DeepSpeedCPULion with offload_optimizer, else FusedLion; the params
+    go to the class as they are, so its defaults (deepspeed/ops/lion/*.py) apply."""
+    opt = build_optimizer(name, None, [torch.nn.Parameter(torch.zeros(2))], cpu_optimizer=cpu_optimizer)
+    group = opt.param_groups[0]
+    assert type(opt) is cls
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-3, (0.9, 0.999), 0)
+    assert opt.fp32_optimizer_states is True if cpu_optimizer else opt.set_grad_none is True
+
+
+@pytest.mark.parametrize("cpu_optimizer", [False, True])
+def test_lion_steps_by_lions_formula(cpu_optimizer):
+    """Two steps by hand: c = b1 m + (1 - b1) g, p = p (1 - lr wd) - lr sign(c), m = b2 m + (1 - b2) g. The second
+    step's c has the momentum's sign where the gradient's is the other (first entry) and the gradient's where it
+    outweighs the momentum (third)."""
+    lr, b1, b2, wd = 0.1, 0.8, 0.95, 0.5
+    params = {"lr": lr, "betas": [b1, b2], "weight_decay": wd}
+    param = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    opt = build_optimizer("Lion", params, [param], cpu_optimizer=cpu_optimizer)
+    p, m = [1.0, -2.0, 3.0], [0.0, 0.0, 0.0]
+    for grad in ([0.5, 0.1, -0.3], [-0.05, 0.4, 0.2]):
+        c = [b1 * mi + (1 - b1) * g for mi, g in zip(m, grad)]
+        p = [pi * (1 - lr * wd) - lr * math.copysign(1.0, ci) for pi, ci in zip(p, c)]
+        before, m = m, [b2 * mi + (1 - b2) * g for mi, g in zip(m, grad)]
+        one_step(opt, param, torch.tensor(grad))
+        torch.testing.assert_close(param.detach(), torch.tensor(p))
+        torch.testing.assert_close(opt.state[param]["exp_avg"], torch.tensor(m))
+    assert c[0] > 0 > grad[0] and c[2] > 0 > before[2]  # the momentum won, then the gradient
+    assert p == pytest.approx([0.7075, -2.0, 2.7025])  # 1 -> 0.95 - 0.1 -> 0.85 * 0.95 - 0.1; 3 -> 2.95 -> ...
+
+
+@pytest.mark.parametrize(("cpu_optimizer", "params", "message"), [
+    (False, {"eps": 1e-8}, r"optimizer.params.eps: Lion \(FusedLion\) has no parameter 'eps'. Accepted: lr, betas, "
+                           r"weight_decay, set_grad_none."),
+    (True, {"set_grad_none": True}, r"optimizer.params.set_grad_none: Lion \(DeepSpeedCPULion\) has no parameter "
+                                    r"'set_grad_none'. Accepted: lr, betas, weight_decay, fp32_optimizer_states."),
+    (False, {"weight_decy": 0.1}, r"optimizer.params.weight_decy: .* Did you mean 'weight_decay'\?"),
+    (True, {"betas": [0.9, 1.0]}, r"optimizer.params.betas: expected a number >= 0.0 and < 1.0, got 1.0"),
+    (False, {"lr": "auto"}, r"optimizer.params.lr: expected a number, got 'auto'"),
+])  # fmt: skip
+def test_lion_errors(cpu_optimizer, params, message):
+    """The keys DeepSpeed's class takes (its TypeError otherwise), as crew's usual config error."""
+    with pytest.raises(ConfigError, match=message):
+        build_optimizer("Lion", params, [torch.nn.Parameter(torch.zeros(2))], cpu_optimizer=cpu_optimizer)
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ def tolerance(case: dict) -> dict:
 
 def deepspeed_ops_optimizer(section: dict, params) -> torch.optim.Optimizer:
     """The optimizer DeepSpeed builds for an offloaded config section, as a script under crew builds it itself
-    from crew's deepspeed.ops (crew has no "Lion" type: its Lion cases take this way)."""
+    from crew's deepspeed.ops."""
     from crew.deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
     from crew.deepspeed.ops.adam import DeepSpeedCPUAdam
     from crew.deepspeed.ops.lion import DeepSpeedCPULion
@@ -54,7 +54,7 @@ def deepspeed_ops_optimizer(section: dict, params) -> torch.optim.Optimizer:
 
 def initialize(name: str, config: dict, seed: int = 99, empty_groups: int = 0, ops: bool = False):
     """crew.initialize as make_checkpoints.py initializes DeepSpeed for case `name`, with `empty_groups` more param
-    groups without parameters; `ops` (and for "Lion"): the config's optimizer built from deepspeed.ops."""
+    groups without parameters; `ops`: the config's optimizer built from deepspeed.ops."""
     import crew
 
     case = EXPECTED["cases"][name]
@@ -63,7 +63,7 @@ def initialize(name: str, config: dict, seed: int = 99, empty_groups: int = 0, o
         params = list(params) + [{"params": [], "weight_decay": 0.0} for _ in range(empty_groups)]
     if case.get("client_optimizer"):
         optimizer = made.client_optimizer(case["client_optimizer"], params)
-    elif ops or config.get("optimizer", {}).get("type") == "Lion":
+    elif ops:
         optimizer = deepspeed_ops_optimizer(config.pop("optimizer"), params)
     else:
         return crew.initialize(model=model, model_parameters=params, config=config)[0]
@@ -173,9 +173,9 @@ def test_one_rank_continues_with_deepspeeds_losses(name):
     check_resumed(name, resume(0, name, 1))
 
 
-@pytest.mark.parametrize("name", ["cpuadam_stage3_offload_bf16", "cpuadagrad_stage2_offload"])
+@pytest.mark.parametrize("name", ["cpuadam_stage3_offload_bf16", "cpuadagrad_stage2_offload", "cpulion_stage2_offload"])
 def test_deepspeeds_optimizer_built_by_the_script_continues(name):
-    """The script builds DeepSpeedCPUAdam/Adagrad itself (crew's deepspeed.ops), as the config would have."""
+    """The script builds DeepSpeedCPUAdam/Adagrad/Lion itself (crew's deepspeed.ops), as the config would have."""
     check_resumed(name, resume(0, name, 1, ops=True))
 
 
