@@ -8,8 +8,8 @@ order and errors, on checkpoints in DeepSpeed's layout (written by DeepSpeed or 
 - files are read with torch.load(weights_only=True) and an allow-list of DeepSpeed's pickled classes
   (crew/runtime/checkpoint/deepspeed_files.py): a file naming any other class is a CheckpointError, not run;
 - a stage-0 folder (no optimizer files, where DeepSpeed fails with a TypeError) gives its module's weights,
-  in fp32 (the fp32 copies under bf16/fp16), as do the folders of earlier crew versions (crew_checkpoint.json
-  and no DeepSpeed files), whatever their stage;
+  in fp32 (the fp32 copies under bf16/fp16; FusedAdam's flat copies only where crew's crew_state.pt names
+  them), as do the folders of earlier crew versions (crew_checkpoint.json, no DeepSpeed files), any stage;
 - max_shard_size splits as huggingface_hub's split_torch_state_dict_into_shards does, without needing it.
 """
 
