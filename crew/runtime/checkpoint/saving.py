@@ -85,11 +85,13 @@ RECOVERY_SCRIPT = """#!/usr/bin/env python
 # checkpoint in this folder (the tag in `latest`, or -t TAG) as OUTPUT_DIR/pytorch_model.bin (shards past
 # --max_shard_size, model.safetensors with --safe_serialization), as DeepSpeed's script, e.g.
 #     python zero_to_fp32.py . OUTPUT_DIR
-# It needs crew installed: the same as `python -m crew.deepspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR`.
-# DeepSpeed's own zero_to_fp32.py reads this folder too.
+# With crew installed it is `python -m crew.deepspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR`; without
+# it, DeepSpeed's own (`python -m deepspeed.utils.zero_to_fp32`), which reads this folder too.
+import importlib.util
 import runpy
 
-runpy.run_module("crew.deepspeed.utils.zero_to_fp32", run_name="__main__")
+crew = importlib.util.find_spec("crew") is not None
+runpy.run_module("crew.deepspeed.utils.zero_to_fp32" if crew else "deepspeed.utils.zero_to_fp32", run_name="__main__")
 """
 
 
