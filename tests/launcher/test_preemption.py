@@ -19,8 +19,8 @@ from crew.launcher.job import preempt
 from crew.launcher.transport.proc import children
 
 # crew's loader with resume_data_position, load_checkpoint at the start, `while global_steps < N`; a first save
-# at step 2 (its folder is where a preemption saves); rank 0 marks step --mark_at, after which steps are slow
-# enough for a test to signal mid-run.
+# at step 2 (its folder is where a preemption saves); rank 0 marks step --mark_at, after which the steps of a
+# run that did not resume are slow enough for a test to signal mid-run.
 TRAIN = """
     import argparse, json, time
     import torch
@@ -52,7 +52,7 @@ TRAIN = """
                 engine.save_checkpoint("ckpt", client_state={"saved_at": 2})
             if engine.global_steps == args.mark_at and engine.global_rank == 0:
                 open("reached", "w").close()
-            if engine.global_steps >= args.mark_at:
+            if engine.global_steps >= args.mark_at and path is None:
                 time.sleep(0.15)
             if engine.global_steps >= args.steps:
                 break
@@ -170,6 +170,9 @@ def test_sbatch_job_signalled_is_requeued_and_resumes_exactly(cluster, job_dir, 
         assert signalled.returncode == 0, signalled.stderr
         wait_for_file(job_dir / "final1.json", timeout=90)
         wait_for_file(job_dir / "final0.json", timeout=10)
+        deadline = time.monotonic() + 15  # the job's output is whole once crew, its batch step, has ended
+        while cluster.run("squeue", "-h", "-j", job).stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         output = (job_dir / "job.out").read_text() if (job_dir / "job.out").exists() else ""
         print(output)
@@ -181,9 +184,6 @@ def test_sbatch_job_signalled_is_requeued_and_resumes_exactly(cluster, job_dir, 
     assert f"requeueing Slurm job {job}" in output
     assert f"resumed from {job_dir / 'ckpt' / tags[1]}" in output
     assert finals(job_dir) == uninterrupted
-    deadline = time.monotonic() + 15
-    while cluster.run("squeue", "-h", "-j", job).stdout.strip() and time.monotonic() < deadline:
-        time.sleep(0.2)
     assert not cluster.run("squeue", "-h", "-j", job).stdout.strip()
 
 
