@@ -33,7 +33,6 @@ from crew.runtime.monitor import Monitor, step_events
 from crew.runtime.optim import build_optimizer, build_scheduler
 from crew.runtime.precision import Precision, make_precision
 from crew.runtime.progress import ThroughputTimer, show_step
-from crew.runtime.zero.stage2 import chunks
 
 # deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS: torch's by type, DeepSpeed's ops by crew's classes
 # (crew.runtime.adam's Adam/AdamW stand for FusedAdam with bias_correction=False)
@@ -335,6 +334,8 @@ Engine = DeepSpeedEngine  # crew's own name
 
 def _average_grads(params: Iterable[torch.Tensor], bucket_elements: int = 1 << 24) -> None:
     """All-reduce (average) every gradient across ranks, in flat buckets of one dtype."""
+    from crew.runtime.zero.stage2 import chunks  # torch.distributed.optim: seconds to import, on use only
+
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for param in params:
         if param.grad is not None:
