@@ -93,6 +93,24 @@ def group_names(optimizer_state: dict, names: list[str]) -> list[list[str]]:
     return [[names[index] for index in group["params"]] for group in optimizer_state["param_groups"]]
 
 
+def kept_by_deepspeed(engine, optimizer_state: dict, names: list[str]) -> dict:
+    """The optimizer state as DeepSpeed's optimizer holds it: without param groups given no parameters (engine.py
+    _configure_optimizer drops them) and, at ZeRO stages 1-2, only the parameters its ZeRO optimizer steps
+    (trainable, with elements: utils.is_optimized_parameter). The indices stay; only names map them."""
+    params = dict(engine.module.named_parameters())
+
+    def kept(index: int) -> bool:
+        param = params.get(names[index])
+        return engine.zero.stage == 0 or param is None or (param.requires_grad and param.numel() > 0)
+
+    groups = [{**group, "params": [index for index in group["params"] if kept(index)]}
+              for group in optimizer_state["param_groups"]]
+    groups = [group for group in groups if group["params"]]
+    indices = {index for group in groups for index in group["params"]}
+    return {"state": {index: entry for index, entry in optimizer_state["state"].items() if index in indices},
+            "param_groups": groups}
+
+
 def deepspeed_optimizer(engine) -> str | None:
     """Which optimizer DeepSpeed builds for this config where its state dict differs from torch's: "fused_adam"
     for "Adam"/"AdamW" without torch_adam, "cpu_adam" for them with offload_optimizer (engine.py
@@ -132,7 +150,7 @@ def model_states(engine, fp32: dict, optimizer_state: dict | None, names: list[s
     the whole torch optimizer state dict by index, `names` its parameter names (None: a model-only engine)."""
     stage = engine.zero.stage
     module = engine.module
-    trained = set(names or ())
+    trained = {name for group in group_names(optimizer_state, names) for name in group} if names else set()
     frozen = [name for name, param in module.named_parameters() if name not in trained]
     state = {name: value.detach().cpu() for name, value in module.state_dict().items()}
     if exclude_frozen:

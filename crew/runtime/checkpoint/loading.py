@@ -14,7 +14,6 @@ from crew.runtime import comm
 from crew.runtime.checkpoint import deepspeed_format
 from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere, where
 from crew.runtime.checkpoint.deepspeed_files import is_deepspeed_tag
-from crew.runtime.checkpoint.exporting import crews_fp32_module
 from crew.runtime.checkpoint.integrity import Verifier, identity, share_out
 from crew.runtime.checkpoint.layout import (
     CLIENT_STATE,
@@ -157,26 +156,36 @@ def _read_all(engine, folder: Path, states: dict, optimizer: bool, load_optimize
 
 def _read_deepspeed_layout(engine, folder: Path, states: dict, load_optimizer_states: bool,
                            load_lr_scheduler_states: bool, module_only: bool) -> None:
-    """crew's checkpoint in DeepSpeed's files: read as DeepSpeed's (deepspeed_format.py), then crew's own state
-    beside them (crew_state.pt, rank<R>.pt) makes the resume exact, and client_state what the save was given."""
-    mine = {key: states[key] for key in ("manifest", "verifier", "rank_file")}
-    deepspeed_format.read_for_load(engine, folder, states, load_optimizer_states, load_lr_scheduler_states,
-                                   module_only)
+    """crew's checkpoint in DeepSpeed's files: the fp32 weights and the optimizer state reassembled by name from
+    DeepSpeed's files (deepspeed_format.py), in crew's own param groups with each parameter's own step, and the
+    rest from crew_state.pt and rank<R>.pt: the resume is exact, and client_state what the save was given.
+    (Not read_for_load's conversion into the live optimizer: that is for DeepSpeed's own runs, whose groups
+    leave out the parameters DeepSpeed does not step; crew's keep them.)"""
     extras = read(folder / CREW_STATE)
-    model = states["model"]
-    if not (load_optimizer_states and not module_only and engine.optimizer is not None):
-        # DeepSpeed then takes the 16-bit module's weights; crew's own load keeps the fp32 masters, as before
-        model["module"] = crews_fp32_module(folder)
-    for key in ("precision", "micro_steps", "boundary_override", "micro_batch_sizes", "world_size"):
-        model[key] = extras[key]
-    optimizer = model.get("optimizer")
-    if optimizer is not None and "optimizer_groups" in extras:  # crew's own groups and steps, exactly
-        optimizer["param_groups"] = extras["optimizer_groups"]
-        for name, step in extras["optimizer_steps"].items():
-            optimizer["state"].setdefault(name, {})["step"] = step
-    shadowed, client = extras["client_shadowed"], states["client"]  # client: the model file's other keys
-    states["client"] = {key: shadowed[key] if key in shadowed else client[key] for key in extras["client_keys"]}
-    states.update(mine, model=model, rank=read(mine["rank_file"]) if mine["rank_file"] is not None else None)
+    tag = deepspeed_format._Tag(folder)
+    groups = extras.get("optimizer_groups")
+    positions = [group["params"] for group in groups if group["params"]] if groups else None  # DeepSpeed's groups
+    module = deepspeed_format.module_state(tag, deepspeed_format.fp32_params(tag, positions))
+    optimizer = None
+    if load_optimizer_states and not module_only and engine.optimizer is not None and groups:
+        saved = (deepspeed_format._stage0_optimizer(tag, positions) if tag.stage == 0
+                 else deepspeed_format._zero_optimizer(tag))["state"]
+        steps = extras["optimizer_steps"]
+        stepped = [name for name in saved if name in steps] if steps else list(saved)  # crew's had no state else
+        optimizer = {"state": {name: {**saved[name], **({"step": steps[name]} if name in steps else {})}
+                               for name in stepped}, "param_groups": groups}
+    model = tag.model
+    shadowed = extras["client_shadowed"]
+    steps_done = int(model.get("global_steps") or 0)
+    states.update(
+        model={"module": module, "optimizer": optimizer, "lr_scheduler": model.get("lr_scheduler"),
+               "precision": extras["precision"], "global_steps": steps_done,
+               "global_samples": int(model.get("global_samples") or 0),
+               **{key: extras[key] for key in ("micro_steps", "boundary_override", "micro_batch_sizes", "world_size")}},
+        shapes={name: tuple(value.shape) for name, value in module.items()},
+        client={key: shadowed[key] if key in shadowed else model[key] for key in extras["client_keys"]},
+        module_file=tag.model_file,
+        rank=read(states["rank_file"]) if states["rank_file"] is not None else None)
 
 
 def _check_complete(folder: Path, from_latest: bool) -> None:

@@ -254,7 +254,8 @@ def _write_deepspeed_files(engine, staging: Path, client_state: dict, part: int 
         if engine.optimizer is None or not optimizer_state["param_groups"]:
             optimizer_state = names = None  # a model-only engine: DeepSpeed saves no optimizer either
         else:
-            optimizer_state = deepspeed_writing.as_deepspeeds(engine, optimizer_state)
+            optimizer_state = deepspeed_writing.as_deepspeeds(
+                engine, deepspeed_writing.kept_by_deepspeed(engine, optimizer_state, names))
         model = deepspeed_writing.model_states(engine, fp32, optimizer_state, names, exclude_frozen, client_state)
         written[DEEPSPEED_MODEL_STATES] = write_atomic(staging / DEEPSPEED_MODEL_STATES, obj=model)
         if engine.zero.stage >= 1 and optimizer_state is not None:
