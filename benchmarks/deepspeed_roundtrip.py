@@ -11,6 +11,20 @@ loads crew's checkpoint (crew->DS: its losses against crew's own next ones). The
 ds_to_universal, and Lightning's convert_zero_checkpoint_to_fp32_state_dict (with DeepSpeed, and on crew's shim),
 read crew's checkpoint; their weights are compared with crew's fp32 masters at the save ("ok": bitwise equal).
 Prints one table; a phase or case that fails is a cell saying why, not a traceback.
+
+Last run (2 CPU ranks, DeepSpeed 0.19.8 with its CPU Adam for "Adam", torch 2.13, crew at 5bebd8f..aefcbe4, 2m20s):
+
+    stage | precision | DS->crew | crew->DS | tools on crew's checkpoint
+    0     | fp32      | 1.2e-06  | 5.7e-07  | all n/a: they fail on DeepSpeed's own stage-0 checkpoint too
+    0     | bf16      | 0.0e+00  | 0.0e+00  | all n/a, likewise
+    1     | fp32      | 1.3e-06  | 5.7e-07  | zero_to_fp32 ok, lightning ok, ds_to_universal ok, lightning_on_crew ok
+    1     | bf16      | 0.0e+00  | 0.0e+00  | all ok
+    2     | fp32      | 1.4e-06  | 5.7e-07  | all ok
+    2     | bf16      | 0.0e+00  | 0.0e+00  | all ok
+    3     | fp32      | 1.4e-06  | 5.7e-07  | all ok
+    3     | bf16      | 5.3e-05  | 1.3e-04  | all ok
+("ok": the tool's weights equal crew's fp32 masters bitwise; the fp32 differences are DeepSpeed's CPU Adam against
+torch's AdamW arithmetic, the stage-3 bf16 ones the order of bf16 reductions.)
 """
 
 from __future__ import annotations
