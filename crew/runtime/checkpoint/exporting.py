@@ -80,15 +80,6 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
     return folder
 
 
-def crews_fp32_module(folder: Path) -> dict[str, torch.Tensor]:
-    """crew's checkpoint in DeepSpeed's files: the fp32 module, the optimizer's copies matched to parameters by
-    the names crew_state.pt keeps (DeepSpeed's stage-0 files name none: FusedAdam's flat ones need them)."""
-    groups = read(folder / CREW_STATE).get("optimizer_groups")
-    tag = deepspeed_format._Tag(folder)
-    positions = [group["params"] for group in groups] if groups else None
-    return deepspeed_format.module_state(tag, deepspeed_format.fp32_params(tag, positions))
-
-
 def _deepspeeds(folder: Path) -> bool:
     """A tag DeepSpeed wrote (not crew's in DeepSpeed's layout whose manifest is missing: an incomplete one)."""
     return is_deepspeed_tag(folder) and not (folder / CREW_STATE).is_file()
@@ -106,7 +97,8 @@ def read_fp32_module(folder: Path) -> dict[str, torch.Tensor]:
             if name.endswith("_states.pt"):
                 verifier.check(folder / name)
         verifier.check(folder / CREW_STATE)
-        groups = [group.get("params") for group in read(folder / CREW_STATE).get("optimizer_groups") or []]
+        groups = [group.get("params") for group in read(folder / CREW_STATE).get("optimizer_groups") or []
+                  if group.get("params")]  # DeepSpeed's files leave out the groups with no parameters
         named = groups and all(isinstance(names, list) and all(isinstance(n, str) for n in names) for names in groups)
         module = deepspeed_format.read_fp32_module(folder, groups if named else None)  # names stage 0's flat copies
     elif manifest["format"] == SHARDED:
