@@ -236,7 +236,9 @@ def _frozen(tag: _Tag) -> dict[str, torch.Tensor]:
 
 def module_state(tag: _Tag, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The module's state dict with `params` (fp32 weights by name) in place of the saved 16-bit or empty
-    (stage 3) parameters; floating-point values in fp32."""
+    (stage 3) parameters, frozen parameters from their fragments, a tied weight's second name (shared_params)
+    from its first; floating-point values in fp32. Without a tied weight saved apart from it (a frozen one
+    under exclude_frozen_parameters), a second name is left out, as zero_to_fp32 leaves it."""
     frozen = _frozen(tag)
     shared = tag.model.get("shared_params") or {}
     buffers = set(tag.model.get("buffer_names") or ())
@@ -246,8 +248,14 @@ def module_state(tag: _Tag, params: dict[str, torch.Tensor]) -> dict[str, torch.
     out = {}
     for name, saved in tag.model["module"].items():
         twin = tied.get(saved.data_ptr()) if saved.numel() else None
-        value = params.get(name, params.get(shared.get(name), params.get(twin, frozen.get(name, saved))))
+        holder = shared.get(name)  # a tied weight's first name: trained (params) or frozen
+        value = params.get(name, params.get(holder, params.get(twin, frozen.get(name, frozen.get(holder, saved)))))
         if value is saved and tag.stage == 3 and name not in buffers:
+            if holder is not None and holder not in tag.model["module"]:
+                # tied to a frozen parameter saved with exclude_frozen_parameters: DeepSpeed's module_state_dict
+                # drops the first name only and writes no fragments, its zero_to_fp32 leaves the second name out
+                # and its load leaves the model's weight as it is: so does crew (load_module_strict=False)
+                continue
             raise CheckpointError(f"{tag.model_file}: {name} is partitioned and its partitions are in no optimizer "
                                   "file: the checkpoint is incomplete")
         out[name] = value.float() if value.is_floating_point() else value

@@ -2,7 +2,9 @@
 keys, shapes and dtypes as the files real DeepSpeed wrote for the same model, config and training
 (deepspeed_data/stage3_*), values within training noise of DeepSpeed's own, and, read back by crew's DeepSpeed
 reader, exactly the weights and optimizer state of crew's live engine. A second model has what the fixtures lack:
-a frozen parameter, a tied weight and sub groups (zero_optimization.sub_group_size).
+a frozen parameter, a tied weight and sub groups (zero_optimization.sub_group_size); a third a frozen weight tied
+under two names beside a trainable adapter (a PEFT model's wte and lm_head), saved and loaded back by the engine
+with and without the frozen parameters.
 
 Real DeepSpeed loading these files and training on with crew's losses, and DeepSpeed's own zero_to_fp32.py on
 them: benchmarks/deepspeed_zero3_check.py (needs DeepSpeed; run by hand)."""
@@ -55,6 +57,21 @@ class TiedFrozen(torch.nn.Module):
         return self.out(torch.relu(self.mid(self.frozen(self.embed(ids)))))
 
 
+class FrozenTiedAdapter(torch.nn.Module):
+    """A PEFT-like model: a frozen embedding tied to the (so frozen) output layer, and a trainable adapter."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 7)
+        self.embed.requires_grad_(False)
+        self.adapter = torch.nn.Linear(7, 7)
+        self.out = torch.nn.Linear(7, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.adapter(self.embed(ids))))
+
+
 TIED_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
                "optimizer": {"type": "Adam", "params": {"lr": 0.01}},  # DeepSpeed's FusedAdam on a CPU
                "zero_optimization": {"stage": 3, "sub_group_size": 40}}
@@ -90,6 +107,41 @@ def _train_tied():
         engine.backward(engine(ids).float().pow(2).mean())
         engine.step()
     return engine, before
+
+
+def _train_frozen_tied():
+    """FrozenTiedAdapter trained 2 steps, saved by engine.save_checkpoint with and without the frozen parameters
+    and loaded into an engine built from another seed, as Trainer resumes a PEFT model (load_module_strict=False
+    without them). Returns the trained engine and {tag: the loaded engine's weights, whole}."""
+    import shutil
+    import tempfile
+
+    import crew
+    config = {**TIED_CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+              "zero_optimization": {"stage": 3}}
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return crew.initialize(model=FrozenTiedAdapter(), config=config)[0]
+
+    engine = build(0)
+    generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+    for _ in range(2):
+        ids = torch.randint(0, 11, (2, 3), generator=generator)
+        engine.backward(engine(ids).float().pow(2).mean())
+        engine.step()
+    folder = [tempfile.mkdtemp() if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(folder)
+    loaded = {}
+    for tag, exclude in (("with_frozen", False), ("without_frozen", True)):
+        engine.save_checkpoint(folder[0], tag=tag, exclude_frozen_parameters=exclude)
+        fresh = build(1)
+        fresh.load_checkpoint(folder[0], tag=tag, load_module_strict=not exclude)
+        loaded[tag] = _live(fresh)[0]
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(folder[0])
+    return engine, loaded
 
 
 def _train_fp16():
@@ -143,7 +195,8 @@ def _live(engine) -> tuple[dict, dict]:
 def _save_all(rank: int) -> list[dict]:
     from crew.runtime.checkpoint.deepspeed_zero3 import _even_shard, zero3_model_states, zero3_optim_states
     tied, before = _train_tied()
-    engines = [(name, _train_fixture_case(name)) for name in CASES] + [("tied", tied)]
+    frozen_tied, loaded = _train_frozen_tied()
+    engines = [(name, _train_fixture_case(name)) for name in CASES] + [("tied", tied), ("frozen_tied", frozen_tied)]
     out = []
     engines += [("adagrad", _train_adagrad_offload()), ("fp16", _train_fp16()), ("hsdp", _train_hsdp())]
     for name, engine in engines:
@@ -152,6 +205,7 @@ def _save_all(rank: int) -> list[dict]:
                     "model_without_frozen": zero3_model_states(engine, exclude_frozen=True),
                     "optim": zero3_optim_states(engine), "weights": weights, "state": state,
                     "world": engine.world_size, "before": before if name == "tied" else None,
+                    "loaded": loaded if name == "frozen_tied" else None,
                     "not_gathered": [key for key, param in engine.module.named_parameters()
                                      if _even_shard(param, engine.world_size) is not None]})
     return out
@@ -299,6 +353,42 @@ def test_frozen_tied_and_sub_groups_as_deepspeed_lays_them_out(saved, tmp_path):
     tag = deepspeed_format._Tag(folder)
     params = deepspeed_format.fp32_params(tag, None)
     assert torch.equal(params["mid.weight"], ranks[0]["weights"]["mid.weight"])
+
+
+def test_a_frozen_weight_tied_to_a_second_name_is_saved_and_loaded_as_deepspeeds(saved, tmp_path):
+    """A frozen embedding tied to the output layer (a PEFT model's wte and lm_head): written once, by its first
+    name, in frozen_param_fragments, the second name in shared_params, as DeepSpeed 0.19.8 wrote them for this
+    model; without the frozen parameters, DeepSpeed drops the first name only (module_state_dict), writes no
+    fragments, and its zero_to_fp32 leaves the second name out. Each read back and loaded into a fresh engine."""
+    from crew.runtime.checkpoint import deepspeed_format
+    ranks = saved["frozen_tied"]
+    weights = ranks[0]["weights"]
+    for rank, got in enumerate(ranks):
+        model, without = got["model"], got["model_without_frozen"]
+        assert {key: tuple(value.shape) for key, value in model["module"].items()} == {
+            "embed.weight": (0,), "adapter.weight": (0,), "adapter.bias": (0,), "out.weight": (0,)}
+        assert list(without["module"]) == ["adapter.weight", "adapter.bias", "out.weight"]
+        assert model["frozen_param_shapes"] == {"embed.weight": torch.Size([11, 7])}
+        fragment = model["frozen_param_fragments"]["embed.weight"]
+        assert fragment.shape == (39,) and torch.equal(fragment[:39 - rank], weights["embed.weight"].reshape(-1)[
+            39 * rank:39 * rank + 39])
+        assert without["frozen_param_shapes"] is None and without["frozen_param_fragments"] is None
+        shared = {"out.weight": "embed.weight"} if rank == 0 else {}
+        assert model["shared_params"] == without["shared_params"] == shared
+        assert [list(group) for group in model["param_shapes"]] == [["adapter.weight", "adapter.bias"]]
+    module = deepspeed_format.read_fp32_module(write_tag(tmp_path / "with", ranks, OPTIM_STATES[0]))
+    assert module.keys() == weights.keys() | {"out.weight"}
+    for key, value in module.items():
+        assert torch.equal(value, weights[key.replace("out.", "embed.")]), key
+    module = deepspeed_format.read_fp32_module(write_tag(tmp_path / "without", ranks, OPTIM_STATES[0], True))
+    assert module.keys() == {"adapter.weight", "adapter.bias"}  # DeepSpeed's zero_to_fp32's keys
+    assert all(torch.equal(value, weights[key]) for key, value in module.items())
+    # engine.load_checkpoint: every weight back; without the frozen ones, the fresh engine keeps its own embedding
+    loaded = ranks[0]["loaded"]
+    assert all(torch.equal(loaded["with_frozen"][key], value) for key, value in weights.items())
+    assert torch.equal(loaded["without_frozen"]["adapter.weight"], weights["adapter.weight"])
+    torch.manual_seed(1)
+    assert torch.equal(loaded["without_frozen"]["embed.weight"], FrozenTiedAdapter().embed.weight.detach())
 
 
 def test_before_the_first_step_and_deepspeeds_cpu_adagrad(saved):
