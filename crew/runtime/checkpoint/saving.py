@@ -117,8 +117,8 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
     if engine.zero.shards_params and not shared:
         shutil.rmtree(staging, ignore_errors=True)  # each node's own, holding only the marker
         raise CheckpointError(
-            f"{what}: ZeRO stage 3 checkpoints are written as one sharded checkpoint; save_dir "
-            f"must be on a filesystem every node shares, and {save_dir} is not (each node sees "
+            f"{what}: a ZeRO stage 3 checkpoint is written by every rank, each its own partition, into one "
+            f"tag folder; save_dir must be on a filesystem every node shares, and {save_dir} is not (each node sees "
             "only its own files there). Point save_dir at a shared filesystem (NFS, Lustre, ...).")
     if engine.zero.shards_params and engine.optimizer is None:
         raise CheckpointError(f"{what}: a model-only engine (no optimizer) cannot save a ZeRO stage 3 checkpoint "
@@ -144,8 +144,8 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
 
 
 def _layout(engine) -> str:
-    """DeepSpeed's files (deepspeed_writing.py), but where crew does not write DeepSpeed's layout yet: stage 3
-    (one sharded DCP folder), fp16 at stage 0 (FP16_Optimizer's flat groups), and an optimizer that steps tensors
+    """DeepSpeed's files (deepspeed_writing.py, deepspeed_zero3.py), but crew 0.1's layout where crew does not
+    write DeepSpeed's yet: fp16 at stage 0 (FP16_Optimizer's flat groups), and an optimizer that steps tensors
     which are not the model's parameters (DeepSpeed's files name them)."""
     if engine.zero.shards_params and (engine.optimizer is None or optimizer_param_names(engine) is None):
         return SHARDED  # refused below (no optimizer), or stepping tensors outside the model

@@ -506,7 +506,8 @@ def test_without_a_shared_filesystem_stage2_saves_per_node_and_stage3_refuses(tm
                                           f"{tag}/mp_rank_00_model_states.pt", *optim, f"{tag}/rank{rank}.pt",
                                           *recovery])
         assert result["error"].startswith("CheckpointError")
-        assert ("ZeRO stage 3 checkpoints are written as one sharded checkpoint; save_dir must be on "
+        assert ("a ZeRO stage 3 checkpoint is written by every rank, each its own partition, into one tag folder; "
+                "save_dir must be on "
                 f"a filesystem every node shares, and {tmp_path / 'ckpt'} is not") in result["error"]
         assert result["files_after"] == result["files"]  # nothing written, nothing left behind
     assert not list((tmp_path / "ckpt").iterdir())
