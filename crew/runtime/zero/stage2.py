@@ -321,8 +321,8 @@ class PartitionedOptimizer(ZeroRedundancyOptimizer):
         dist.broadcast(present, owner)
         if not present.item():
             return None
-        whole = value.detach().float().clone() if value is not None else \
-            torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        whole = value.detach().float().to(param.device, copy=True) if value is not None else \
+            torch.empty(param.shape, dtype=torch.float32, device=param.device)  # on the wire's device (offload)
         dist.broadcast(whole, owner)
         return whole
 
@@ -344,13 +344,14 @@ def broadcast_flat(tensors: list[torch.Tensor], source: int, chunk_elements: int
     dtype (one collective per chunk, not one per tensor). Returns them."""
     receiving = dist.get_rank() != source
     handles = []
+    wire = _wire_device()
     for tensor in (t for t in tensors if t.numel() >= OWN_COLLECTIVE):  # the same choice on every rank
         if not receiving:
-            buffer = tensor.detach().contiguous()
-        elif keep and tensor.is_contiguous():
+            buffer = tensor.detach().contiguous().to(wire or tensor.device)
+        elif keep and tensor.is_contiguous() and wire in (None, tensor.device):
             buffer = tensor.detach()
         else:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire or tensor.device)
         handles.append((tensor, buffer, dist.broadcast(buffer, source, async_op=True)))
         if not keep:
             handles.pop()[2].wait()  # not kept: one at a time
@@ -360,9 +361,9 @@ def broadcast_flat(tensors: list[torch.Tensor], source: int, chunk_elements: int
     for (dtype, device), group in by_kind.items():
         for chunk in chunks(group, chunk_elements):
             if not receiving:
-                flat = torch.cat([tensor.detach().reshape(-1) for tensor in chunk])
+                flat = torch.cat([tensor.detach().reshape(-1) for tensor in chunk]).to(wire or device)
             else:
-                flat = torch.empty(sum(t.numel() for t in chunk), dtype=dtype, device=device)
+                flat = torch.empty(sum(t.numel() for t in chunk), dtype=dtype, device=wire or device)
             dist.broadcast(flat, source)
             if receiving and keep:
                 offset = 0
@@ -374,6 +375,15 @@ def broadcast_flat(tensors: list[torch.Tensor], source: int, chunk_elements: int
         if receiving and buffer.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(buffer)
     return tensors
+
+
+def _wire_device() -> torch.device | None:
+    """Where broadcast_flat's buffers must be for the process group: the GPU under NCCL alone, which sends no CPU
+    tensor (offload_optimizer keeps the fp32 masters on the CPU); None where the backend takes them as they are."""
+    backend = str(dist.get_backend())
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def chunks(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
