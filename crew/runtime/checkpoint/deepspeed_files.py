@@ -58,9 +58,12 @@ class DynamicLossScaler(_Attributes):
     cur_hysteresis, ...)."""
 
 
-class FragmentAddress(_Attributes):
+class fragment_address(_Attributes):  # noqa: N801 - DeepSpeed's class name, which tools reached by it see
     """deepspeed.utils.tensor_fragment.fragment_address (numel, start): where a parameter lies in a
     rank's partition; crew works it out from the parameter shapes instead."""
+
+
+FragmentAddress = fragment_address
 
 
 STAND_INS = [
