@@ -1,9 +1,14 @@
 """run_ranks(fn, world_size): call fn(rank, *args) in `world_size` real processes joined by gloo.
 
-Each process gets the launcher environment (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free
-MASTER_PORT, LOCAL_RANK), one CPU thread, and leaves the process group on exit. Return values come
+Each process gets the caller's environment plus the launcher's (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a
+free MASTER_PORT, LOCAL_RANK), one CPU thread, and leaves the process group on exit. Return values come
 back in rank order; an exception in any rank fails the caller with that rank's traceback; a hang
 fails after `timeout` seconds and kills every rank.
+
+The processes are forked from one server process per test session that imported torch (and torch._dynamo,
+which torch.optim imports at the first optimizer) once, with no thread started: a rank starts in a fraction
+of a second instead of the seconds each fresh interpreter spends importing them. Otherwise a rank is as a
+spawned one: the caller's working directory, sys.path and environment, and its atexit handlers run at its end.
 
 run_parts(parts, world_size): several such functions, one after the other in the same ranks (one process start
 for a file's many checks); each part's result or failure comes back on its own, so that a part that fails fails
@@ -12,10 +17,13 @@ only the tests that read it.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import socket
+import tempfile
 import traceback
 
 import torch
@@ -28,7 +36,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, args, results):
+PRELOADED = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    here = os.getcwd()
+    os.chdir(tempfile.gettempdir())  # the server's own folder: never a test's job folder (conftest's job_dir)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.chdir(here)
+    return context
+
+
+def _entry(fn, rank, world_size, port, args, results, environ):
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
@@ -42,13 +67,14 @@ def _entry(fn, rank, world_size, port, args, results):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        atexit._run_exitfuncs()  # a forked process ends in os._exit, which skips them
 
 
 def run_ranks(fn, world_size: int = 2, *args, timeout: float = 120.0) -> list:
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     results = context.Queue()
     port = free_port()
-    procs = [context.Process(target=_entry, args=(fn, rank, world_size, port, args, results))
+    procs = [context.Process(target=_entry, args=(fn, rank, world_size, port, args, results, dict(os.environ)))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
