@@ -119,7 +119,9 @@ def test_names_crew_does_not_provide_are_refused_by_feature(tmp_path):
     assert lines[2].startswith("UnsupportedModule deepspeed.profiling (the flops profiler) is not")
     assert lines[3].startswith("UnsupportedModule deepspeed.no_such_thing is not supported by crew")
     assert lines[4] == "cpu cpu 0 True True True"
-    assert set(ALIASES) == {"deepspeed", "deepspeed.comm", "deepspeed.zero", "deepspeed.runtime.zero"}
+    # deepspeed.runtime.zero.config: a module under the aliased deepspeed.runtime.zero, for ZeroStageEnum in checkpoints
+    assert set(ALIASES) == {"deepspeed", "deepspeed.comm", "deepspeed.zero", "deepspeed.runtime.zero",
+                            "deepspeed.runtime.zero.config"}
 
 
 def test_over_ssh_by_environment_variable_and_for_a_module(cluster, job_dir):
