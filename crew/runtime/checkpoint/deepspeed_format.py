@@ -106,7 +106,7 @@ def _zero12_split(pieces: list[torch.Tensor], paddings: list[int], shapes: dict,
     out, offset = {}, 0
     for index, (name, shape) in enumerate(shapes.items()):
         numel = math.prod(shape)
-        out[name] = whole[offset:offset + numel].view(shape).clone()
+        out[name] = whole[offset:offset + numel].view(shape)  # views of a fresh tensor: no copy
         offset += numel + (alignment[index] if alignment else 0)
     return out
 
@@ -118,7 +118,7 @@ def _zero3_split(pieces: list[torch.Tensor], shapes: dict, where: str) -> dict[s
     for name, shape in shapes.items():
         numel = math.prod(shape)
         part = math.ceil(numel / world)
-        out[name] = torch.cat([piece[offset:offset + part] for piece in pieces])[:numel].view(shape).clone()
+        out[name] = torch.cat([piece[offset:offset + part] for piece in pieces])[:numel].view(shape)
         offset += part
     if any(piece.numel() != offset for piece in pieces):
         raise CheckpointError(f"{where}: a rank's partition holds {pieces[0].numel()} elements, the parameters "
@@ -178,7 +178,7 @@ def _by_position(tag: _Tag, tensors: list[list[torch.Tensor]], flat: bool, group
             if tensor.numel() != math.prod(shapes[name]):
                 raise CheckpointError(f"{tag.model_file}: the {what} matched to {name} by position has "
                                       f"{tensor.numel()} elements, the parameter {shapes[name]}: {fix}")
-            out[name] = tensor.reshape(shapes[name]).clone()
+            out[name] = tensor.reshape(shapes[name])  # as DeepSpeed's load: the file's tensors, not copies
     return out
 
 
