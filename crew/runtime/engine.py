@@ -35,7 +35,7 @@ from crew.runtime.precision import Precision, make_precision
 from crew.runtime.progress import ThroughputTimer, show_step
 
 # deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS: torch's by type, DeepSpeed's ops by crew's classes
-# (crew.runtime.adam's Adam/AdamW stand for FusedAdam with bias_correction=False)
+# (crew.runtime.optim.adam's Adam/AdamW stand for FusedAdam with bias_correction=False)
 _ZERO_TESTED_TORCH = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
 _ZERO_TESTED_OPS = frozenset({"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "ZenFlowCPUAdam",
                               "DeepSpeedCPUAdagrad", "DeepSpeedCPULion", "FusedLion", "MuonWithAuxAdam"})

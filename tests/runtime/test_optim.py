@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from crew.errors import ConfigError
-from crew.runtime.lion import DeepSpeedCPULion, FusedLion
+from crew.runtime.optim.lion import DeepSpeedCPULion, FusedLion
 from crew.runtime.optim import (
     LRRangeTest,
     OneCycle,

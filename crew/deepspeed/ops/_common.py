@@ -11,7 +11,7 @@ _FULL = (torch.float32, torch.float64)
 
 def check_group(name: str, group: dict, defaults: dict) -> None:
     """DeepSpeed reads amsgrad per param group (a group handed over from another optimizer carries its own)
-    and refuses it; torch's Adam would follow it. bias_correction is per group too (crew/runtime/adam.py)."""
+    and refuses it; torch's Adam would follow it. bias_correction is per group too (crew/runtime/optim/adam.py)."""
     if group.get("amsgrad", defaults.get("amsgrad", False)):
         raise RuntimeError(f"{name} does not support the AMSGrad variant.")
 

@@ -4,8 +4,8 @@ adam_w_mode (adamw_mode) True is AdamW's decoupled weight decay (the same steps 
 False is Adam with L2 weight decay added to the gradient, as in DeepSpeed; as there, the mode holds for
 every param group, while lr, betas, eps and weight_decay are each group's own (Accelerate hands
 DeepSpeedCPUAdam another optimizer's param_groups). torch's fused kernel runs on CUDA (as the config's
-"Adam" does, crew/runtime/optim.py). bias_correction=False (per group, as DeepSpeed reads it) steps
-without the moments' bias corrections, as FusedAdam does (crew/runtime/adam.py). Unlike DeepSpeed's,
+"Adam" does, crew/runtime/optim/__init__.py). bias_correction=False (per group, as DeepSpeed reads it) steps
+without the moments' bias corrections, as FusedAdam does (crew/runtime/optim/adam.py). Unlike DeepSpeed's,
 DeepSpeedCPUAdam also steps parameters that are not on the CPU.
 """
 
@@ -16,7 +16,7 @@ import inspect
 import torch
 
 from crew.deepspeed.ops._common import check_group, warn_low_precision_states
-from crew.runtime.adam import Adam as _BiasCorrectingAdam
+from crew.runtime.optim.adam import Adam as _BiasCorrectingAdam
 from crew.runtime.optim import adam_kernel
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]

@@ -1,4 +1,4 @@
-"""`deepspeed.runtime.lr_schedules`: DeepSpeed's schedule names and classes (crew/runtime/optim.py).
+"""`deepspeed.runtime.lr_schedules`: DeepSpeed's schedule names and classes (crew/runtime/optim/__init__.py).
 
 Reachable as an attribute right after `import deepspeed`, as in DeepSpeed: Accelerate tells a
 DeepSpeed scheduler by `type(scheduler).__name__ in deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`.

@@ -1,5 +1,5 @@
 """Lion with DeepSpeed 0.19.8's two optimizers, on torch: DeepSpeedCPULion and FusedLion (their signatures and
-updates). crew's config type "Lion" builds one of them (crew/runtime/optim.py); `deepspeed.ops.lion` exports them.
+updates). crew's config type "Lion" builds one of them (crew.runtime.optim); `deepspeed.ops.lion` exports them.
 
 Lion (https://arxiv.org/abs/2302.06675): c = beta1 * m + (1 - beta1) * g; param = param * (1 - lr *
 weight_decay) - lr * sign(c); m = beta2 * m + (1 - beta2) * g. The two DeepSpeed kernels differ where

@@ -4,7 +4,7 @@ Optimizers follow `DeepSpeedEngine._configure_basic_optimizer` (deepspeed/runtim
 "Adam"/"AdamW"/"Adagrad"/"Lion" match case-insensitively; other names are looked up on torch.optim. DeepSpeed's
 "Adam" is FusedAdam in AdamW mode, so it becomes torch.optim.AdamW with FusedAdam's defaults
 (weight_decay 0.0, not torch's 0.01) unless `torch_adam` asks for torch's classes as they are. "Lion" is
-DeepSpeedCPULion where the config offloads the optimizer, else FusedLion (crew/runtime/lion.py), as in DeepSpeed.
+DeepSpeedCPULion where the config offloads the optimizer, else FusedLion (crew/runtime/optim/lion.py), as in DeepSpeed.
 
 Schedulers follow deepspeed/runtime/lr_schedules.py (0.19.1): one class per DeepSpeed schedule, same
 parameter names and defaults, same lr at construction and after every step(), same
@@ -26,7 +26,7 @@ import torch
 from torch.optim import Optimizer
 
 from crew.errors import ConfigError
-from crew.runtime import adam, lion
+from crew.runtime.optim import adam, lion
 
 __all__ = [
     "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "adam_kernel", "build_optimizer",
@@ -136,7 +136,7 @@ def _build_adam(name: str, params: dict, model_parameters: Iterable) -> Optimize
                        "as FusedAdam does by default.", merged["set_grad_none"])  # fmt: skip
     kwargs = {key: merged[key] for key in ("lr", "betas", "eps", "weight_decay")}
     if not _flag("optimizer.params.bias_correction", merged["bias_correction"]):
-        # FusedAdam's bias_correction=False, which torch's Adam cannot do (crew/runtime/adam.py)
+        # FusedAdam's bias_correction=False, which torch's Adam cannot do (crew/runtime/optim/adam.py)
         cls, kwargs["bias_correction"] = (adam.AdamW if cls is torch.optim.AdamW else adam.Adam), False
     model_parameters = list(model_parameters)
     return cls(model_parameters, **_checked_values(kwargs), **adam_kernel(model_parameters))
