@@ -29,7 +29,7 @@ leaves the previous checkpoint and `latest` intact. Without a shared filesystem 
 writes the node's own copy of every file a load there reads (stages 0-2; stage 3 needs a filesystem every
 node shares). crew loads the tag with its DeepSpeed reader (deepspeed_format.py: any world size, any
 stage) and then crew_state.pt and rank<R>.pt make the resume exact. Layouts of crew 0.1 still load and are
-still written where DeepSpeed's is not yet (fp16 at stage 0, an optimizer over tensors outside the model):
+still written where DeepSpeed's cannot be (an optimizer over tensors outside the model, which it cannot name):
 "replicated" (model_states.<i>-of-<k>.pt, client_state.pt) and at stage 3 "sharded" (a DCP folder
 sharded/ and engine_state.pt, sharded.py). Loading checks each file it reads against the manifest's size
 and crc32 (hashed at save from the bytes as they were written; a checkpoint without "files", from an

@@ -210,8 +210,7 @@ def _stage0_optimizer(engine, fp32: dict, optimizer_state: dict, names: list[str
         return optimizer_state
     groups = group_names(optimizer_state, names)
     if deepspeed_optimizer(engine) != "fused_adam":
-        return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_steps,
-                "optimizer_state_dict": optimizer_state,
+        return {**_loss_scale_keys(engine), "optimizer_state_dict": optimizer_state,
                 "fp32_groups": [[fp32[name] for name in group] for group in groups]}
     by_name = {names[index]: value for index, value in optimizer_state["state"].items()}
     flat = {"state": {}, "param_groups": []}
@@ -222,10 +221,25 @@ def _stage0_optimizer(engine, fp32: dict, optimizer_state: dict, names: list[str
         if entries:
             flat["state"][index] = {key: value[0] if isinstance(value, list) else value
                                     for key, value in entries.items()}
-    return {"optimizer_state_dict": flat,
+    scale = _loss_scale_keys(engine) if engine.precision.dtype == torch.float16 else {}  # use_grad_scaling
+    return {**scale, "optimizer_state_dict": flat,
             "fp32_groups_flat": [_partitions([fp32[name] for name in group], 1, alignment=1)[0][0]
                                  for group in groups],
             "clip_grad": float(engine.gradient_clipping())}
+
+
+def _loss_scale_keys(engine) -> dict:
+    """The loss scale as FP16_Optimizer's and FP16_UnfusedOptimizer's state_dict keep it (fp16/*.py): dynamic, the
+    scale, the iteration, and a dynamic scale's overflow iteration, factor and window; bf16: a static 1."""
+    scaler = getattr(engine.precision, "scaler", None)
+    if engine.precision.dtype != torch.float16 or scaler is None:
+        return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": engine.global_steps}
+    keys = {"dynamic_loss_scale": bool(getattr(scaler, "dynamic", False)), "cur_scale": float(scaler.cur_scale),
+            "cur_iter": int(getattr(scaler, "cur_iter", engine.global_steps))}
+    if keys["dynamic_loss_scale"]:
+        keys.update(last_overflow_iter=scaler.last_overflow_iter, scale_factor=scaler.scale_factor,
+                    scale_window=scaler.scale_window)
+    return keys
 
 
 def _partitions(tensors: list[torch.Tensor], world: int,

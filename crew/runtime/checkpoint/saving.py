@@ -145,12 +145,10 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
 
 def _layout(engine) -> str:
     """DeepSpeed's files (deepspeed_writing.py, deepspeed_zero3.py), but crew 0.1's layout where crew does not
-    write DeepSpeed's yet: fp16 at stage 0 (FP16_Optimizer's flat groups), and an optimizer that steps tensors
-    which are not the model's parameters (DeepSpeed's files name them)."""
+    write DeepSpeed's: an optimizer that steps tensors which are not the model's parameters (DeepSpeed's files
+    name them)."""
     if engine.zero.shards_params and (engine.optimizer is None or optimizer_param_names(engine) is None):
         return SHARDED  # refused below (no optimizer), or stepping tensors outside the model
-    if engine.zero.stage == 0 and engine.precision.dtype == torch.float16 and engine.optimizer is not None:
-        return REPLICATED
     if engine.optimizer is not None and optimizer_param_names(engine) is None:
         return REPLICATED
     return DEEPSPEED_LAYOUT

@@ -161,7 +161,7 @@ def load_with_a_damaged_shard(rank: int, config: dict, folder: Path) -> str:
 
 
 # stage: (its precision, the stages that load its checkpoint in the same world); a precision each
-WORLDS = {1: ("fp32", [3]), 2: ("bf16", [0, 1]), 3: ("fp16", [])}
+WORLDS = {0: ("fp16", []), 1: ("fp32", [3]), 2: ("bf16", [0, 1]), 3: ("fp16", [])}
 
 
 def all_stages(rank: int, root: str) -> dict:
@@ -178,7 +178,7 @@ def worlds(tmp_path_factory) -> dict:
     return {stage: (root / f"stage{stage}" / "ckpt", [result[stage] for result in ranks]) for stage in WORLDS}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_is_exact(worlds, stage):
     _, ranks = worlds[stage]
     for result in ranks:
@@ -237,8 +237,24 @@ def test_a_damaged_shard_fails_every_rank_checked_once_in_the_job(worlds):
         assert f"{shard} is damaged: its crc32 differs" in result["damaged_shard_error"]
 
 
-def test_fp16_loss_scale_survives_a_stage3_round_trip(worlds):
-    _, ranks = worlds[3]
+def test_fp16_at_stage0_is_written_as_deepspeeds_fp16_optimizer(worlds):
+    """FP16_Optimizer's state_dict (deepspeed/runtime/fp16/fused_optimizer.py, the "AdamW" config's FusedAdam): the
+    dynamic loss scale's keys beside the base optimizer's state over one flat fp32 tensor a group."""
+    from crew.runtime.checkpoint.deepspeed_files import read
+
+    folder, ranks = worlds[0]
+    optimizer = read(folder / f"global_step{SAVE_AT}" / "mp_rank_00_model_states.pt")["optimizer"]
+    scaler = ranks[0]["saved_precision"]["loss_scaler"]
+    assert optimizer["dynamic_loss_scale"] is True
+    assert (optimizer["cur_scale"], optimizer["cur_iter"]) == (scaler["cur_scale"], scaler["cur_iter"])
+    assert (optimizer["scale_factor"], optimizer["scale_window"]) == (2.0, FP16["loss_scale_window"])
+    assert optimizer["last_overflow_iter"] == scaler["last_overflow_iter"]
+    assert {"optimizer_state_dict", "fp32_groups_flat", "clip_grad"} <= set(optimizer)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_loss_scale_survives_a_round_trip(worlds, stage):
+    _, ranks = worlds[stage]
     for result in ranks:
         saved = result["saved_precision"]["loss_scaler"]
         assert saved["cur_scale"] > 2 ** FP16["initial_scale_power"]  # it moved before the save
