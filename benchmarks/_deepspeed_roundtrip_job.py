@@ -28,17 +28,10 @@ import torch
 K_STEPS, M_STEPS, MICRO, ACCUMULATION, WORLD = 3, 3, 4, 2, 2
 
 
-class TinyModel(torch.nn.Module):
-    """Odd sizes (DeepSpeed's flat partitions and stage-3 slices need padding) and a buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(9, 23)
-        self.fc2 = torch.nn.Linear(23, 5)
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, 5))
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x))) * self.scale
+# the DeepSpeed fixtures' model (odd sizes: the flat partitions and stage-3 slices need padding; a buffer), plain
+# torch, importable under either engine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime" / "checkpoint" / "deepspeed_data"))
+from make_checkpoints import TinyModel  # noqa: E402
 
 
 def config(stage: int, precision: str) -> dict:

@@ -144,40 +144,31 @@ def _train_frozen_tied():
     return engine, loaded
 
 
-def _train_fp16():
-    """One step under fp16 (dynamic loss scaling), where DeepSpeed keeps a DynamicLossScaler in the file."""
+def _one_step(extra: dict, dtype: torch.dtype = torch.float32):
+    """One optimizer step of the fixtures' model at stage 3 with `extra` config."""
     import crew
-    engine, _, _, _ = crew.initialize(model=made.build_model(seed=0),
-                                      config=made.config(3, "fp32", {"fp16": {"enabled": True}}))
+    engine, _, _, _ = crew.initialize(model=made.build_model(seed=0), config=made.config(3, "fp32", extra))
     for micro_step in range(made.ACCUMULATION):
         inputs, targets = made.batch(0, micro_step, torch.distributed.get_rank(), torch.distributed.get_world_size())
-        engine.backward(made.loss_of(engine(inputs.half()), targets))
+        engine.backward(made.loss_of(engine(inputs.to(dtype)), targets))
         engine.step()
     return engine
+
+
+def _train_fp16():
+    """One step under fp16 (dynamic loss scaling), where DeepSpeed keeps a DynamicLossScaler in the file."""
+    return _one_step({"fp16": {"enabled": True}}, torch.float16)
 
 
 def _train_hsdp():
     """Sharded within groups of 1 rank and replicated over 2 (mics_shard_size: FSDP2 on a 2-D mesh, HSDP): every
     parameter is gathered, DeepSpeed's slices are still over the whole world."""
-    import crew
-    extra = {"zero_optimization": {"stage": 3, "mics_shard_size": 1}}
-    engine, _, _, _ = crew.initialize(model=made.build_model(seed=0), config=made.config(3, "fp32", extra))
-    for micro_step in range(made.ACCUMULATION):
-        inputs, targets = made.batch(0, micro_step, torch.distributed.get_rank(), torch.distributed.get_world_size())
-        engine.backward(made.loss_of(engine(inputs), targets))
-        engine.step()
-    return engine
+    return _one_step({"zero_optimization": {"stage": 3, "mics_shard_size": 1}})
 
 
 def _train_adagrad_offload():
     """One step of "Adagrad" with offload_optimizer, for which DeepSpeed builds its CPU Adagrad."""
-    import crew
-    engine, _, _, _ = crew.initialize(model=made.build_model(seed=0), config=made.config(3, "fp32", ADAGRAD_OFFLOAD))
-    for micro_step in range(made.ACCUMULATION):
-        inputs, targets = made.batch(0, micro_step, torch.distributed.get_rank(), torch.distributed.get_world_size())
-        engine.backward(made.loss_of(engine(inputs), targets))
-        engine.step()
-    return engine
+    return _one_step(ADAGRAD_OFFLOAD)
 
 
 def _live(engine) -> tuple[dict, dict]:
