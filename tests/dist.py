@@ -22,18 +22,13 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 
 import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from crew.launcher.plan.ports import free_port
 
 
 PRELOADED = ["torch", "torch.distributed", "torch._dynamo"]

@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crew.launcher.plan.ports import free_port
+
 DAEMONS = ("slurmctld", "slurmd", "munged")
 CLIENTS = ("srun", "salloc", "sinfo", "squeue", "scontrol", "scancel")
 # Inherited job variables would make srun/salloc think they run inside another job.
@@ -199,15 +201,13 @@ def start_cluster(root: Path, nodes: int = 2, cpus_per_node: int = 2, gpus_per_n
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free right now (held open together so none repeats)."""
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    """`count` distinct ports free right now."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def slurm_conf(root: Path, run_dir: Path, names: list[str], cpus: int, ports: list[int], gpus: int = 0,

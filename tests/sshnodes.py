@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crew.launcher.plan.ports import can_bind, free_port
+
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
@@ -53,21 +55,10 @@ def sshd_missing_reason() -> str | None:
 def free_port_on(addresses: list[str]) -> int:
     """A port free on every address, so all nodes share one ssh port (pdsh needs that)."""
     for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((addresses[0], 0))
-            port = probe.getsockname()[1]
-        if all(_can_bind(address, port) for address in addresses):
+        port = free_port(addresses[0])
+        if all(can_bind(address, port) for address in addresses):
             return port
     raise RuntimeError(f"no port free on all of {addresses}")
-
-
-def _can_bind(address: str, port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((address, port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass

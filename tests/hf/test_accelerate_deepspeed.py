@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ pytest.importorskip("transformers", reason="the Hugging Face tests need the test
 pytest.importorskip("accelerate", reason="the Hugging Face tests need the test extra: pip install 'crew[test]'")
 
 from crew.launcher.node.agent import DEEPSPEED_SHIM  # noqa: E402
+from crew.launcher.plan.ports import free_port  # noqa: E402
 
 SCRIPT = REPO / "tests" / "hf" / "scripts" / "accelerate_deepspeed.py"
 
@@ -180,9 +180,7 @@ GPU_SHAPED = """
 
 
 def test_accelerates_gpu_start_creates_the_group_through_crews_comm(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port("127.0.0.1")
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "ACCELERATE_USE_DEEPSPEED": "true",
            "ACCELERATE_TORCH_DEVICE": "cpu"}  # where a GPU machine would use cuda:LOCAL_RANK

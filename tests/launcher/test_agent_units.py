@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from crew.launcher.plan.ports import free_port
 from crew.launcher.node.agent import preflight, rank_argv, rank_env
 from crew.launcher.transport.protocol import JobSpec, NodeSpec
 
@@ -97,12 +98,6 @@ def test_rank_argv_script_without_arguments():
 def workdir(tmp_path):
     (tmp_path / "train.py").write_text("print('hi')\n")
     return tmp_path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def test_preflight_all_well(workdir):

@@ -9,7 +9,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from crew.launcher.console.console import Console
 from crew.launcher.node import binding, pidfile
 from crew.launcher.node.binding import Binding
 from crew.launcher.plan import dsflags
+from crew.launcher.plan.ports import free_port
 from crew.launcher.transport import runners
 from crew.launcher.transport.protocol import JobSpec, NodeSpec
 
@@ -455,9 +455,7 @@ def test_quiet_hides_crews_informational_lines_not_the_ranks(job_dir):
 
 def test_no_ssh_runs_this_node_as_standalone(job_dir):
     write_script(job_dir, "show.py", SHOW)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port("127.0.0.1"))
     result = crew("run", "--no_ssh", "--node_rank", "0", "--num_gpus", "2", "--master_port", port,
                   "--no_ssh_check", "show.py", cwd=job_dir)
     assert result.code == 0, result.err

@@ -6,7 +6,6 @@ import copy
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import torch
 from conftest import REPO
 
 from crew.errors import ConfigError, CrewError
+from crew.launcher.plan.ports import free_port
 from crew.runtime import precision as precision_module
 from crew.runtime.precision import DynamicLossScaler, Precision, check_supported, make_precision
 
@@ -426,12 +426,6 @@ RANK_SCRIPT = """
     dist.destroy_process_group()
     open(sys.argv[1], "w").write(json.dumps(result))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_gloo_two_ranks_reduce_low_precision_and_agree_on_overflow(tmp_path):

@@ -22,6 +22,7 @@ from crew.launcher.plan import dsflags, slurm
 from crew.launcher.plan.env import gather_env
 from crew.launcher.plan.hostfile import Host, is_number, read_hostfile
 from crew.launcher.plan.plan import NodePlan, Plan, build_plan, is_local_name, select_hosts
+from crew.launcher.plan.ports import free_port
 from crew.launcher.transport.protocol import JobSpec, NodeSpec
 
 LOCAL_HOST = "localhost"
@@ -70,7 +71,7 @@ def resolve(args: argparse.Namespace) -> Launch:
     if launcher == "standalone" and len(hosts) > 1 and not args.master_port:
         raise PlanError("--launcher standalone on several nodes needs --master_port: each node "
                         "plans on its own and all must agree on the port.")
-    port = args.master_port or _free_port()
+    port = args.master_port or free_port()
     env = gather_env(os.environ, Path.home(), Path.cwd(), args.env)
     notes += [*dsflags.binding_notes(args), *launcher_notes, *venv_notes]
     return Launch(launcher, hosts, build_plan(hosts, master_addr, port, env), ssh_args, launcher_args, venv,
@@ -86,7 +87,7 @@ def relaunch(launch: Launch, hosts: list[Host], master_addr: str | None, master_
     """The same launch on other hosts (an elastic restart without a lost node, or with a spare in its place):
     the master is the first host unless --master_addr named one, on --master_port or a new free port."""
     master = master_addr or _default_master(launch.launcher, hosts[0], launch.ssh_args)
-    plan = build_plan(hosts, master, master_port or _free_port(), launch.plan.env)
+    plan = build_plan(hosts, master, master_port or free_port(), launch.plan.env)
     return dataclasses.replace(launch, hosts=hosts, plan=plan)
 
 
@@ -153,12 +154,6 @@ def _default_master(launcher: str, first: Host, ssh_args: tuple[str, ...]) -> st
     if launcher in ("ssh", "pdsh"):
         return runners.resolve_ssh_host(first.name, first.ssh_port, ssh_args)
     return first.name
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def job_spec(launch: Launch, args: argparse.Namespace, restart_count: int = 0,
