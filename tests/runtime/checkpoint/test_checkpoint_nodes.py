@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import crew, write_script
+from conftest import crew, wait_until_gone, write_script
 
 TRAIN = """
     import argparse, ctypes, hashlib, json, os, subprocess, sys
@@ -117,13 +117,30 @@ def isolation():
         pytest.skip(reason)
 
 
-@pytest.fixture
-def nodes(isolation, cluster, job_dir):
-    """job_dir with the training script, the ckpt mount point and the per-node save dirs."""
-    write_script(job_dir, "train.py", TRAIN)
-    (job_dir / "ckpt").mkdir()
+def prepare(folder):
+    """`folder` with the training script, the ckpt mount point and the per-node save dirs."""
+    write_script(folder, "train.py", TRAIN)
+    (folder / "ckpt").mkdir()
     for host in HOSTS:
-        (job_dir / f"node_{host}").mkdir()
+        (folder / f"node_{host}").mkdir()
+
+
+@pytest.fixture(scope="module")
+def saved(isolation, cluster, tmp_path_factory):
+    """One job of 3 steps that saves on both nodes: its folder, for every test that loads what it wrote."""
+    folder = tmp_path_factory.mktemp("saved")
+    prepare(folder)
+    result = run_on_nodes(cluster, folder, "--steps", "3", "--save", "--out", "saved")
+    left = wait_until_gone(folder, timeout=15)
+    assert result.code == 0, result.err
+    assert not left, f"processes left running after the save: {left}"
+    return folder
+
+
+@pytest.fixture
+def nodes(saved, cluster, job_dir):
+    """job_dir as `saved` left it: a test may damage its own copy of the nodes' save dirs."""
+    shutil.copytree(saved, job_dir, dirs_exist_ok=True)
     return cluster
 
 
@@ -142,14 +159,8 @@ def node_dir(job_dir, host):
     return job_dir / f"node_{host}"
 
 
-def save_three_steps(cluster, job_dir):
-    result = run_on_nodes(cluster, job_dir, "--steps", "3", "--save", "--out", "saved")
-    assert result.code == 0, result.err
-    return results(job_dir, "saved")
-
-
-def test_each_node_writes_its_own_ranks_files_to_its_local_save_dir(nodes, job_dir):
-    saved = save_three_steps(nodes, job_dir)
+def test_each_node_writes_its_own_ranks_files_to_its_local_save_dir(saved):
+    job_dir, saved = saved, results(saved, "saved")
     assert [r["host"] for r in saved] == HOSTS
     assert not list((job_dir / "ckpt").iterdir()), "a rank wrote outside its node's save dir"
     for rank, host in enumerate(HOSTS):
@@ -165,7 +176,6 @@ def test_each_node_writes_its_own_ranks_files_to_its_local_save_dir(nodes, job_d
 
 
 def test_same_placement_loads_and_resumes_bitwise(nodes, job_dir):
-    save_three_steps(nodes, job_dir)
     resumed = run_on_nodes(nodes, job_dir, "--steps", "6", "--load", "--out", "resumed")
     assert resumed.code == 0, resumed.err
     straight = run_on_nodes(nodes, job_dir, "--steps", "6", "--out", "straight")
@@ -182,7 +192,6 @@ def test_same_placement_loads_and_resumes_bitwise(nodes, job_dir):
 
 
 def test_swapped_placement_names_the_missing_files_and_says_not_shared(nodes, job_dir):
-    save_three_steps(nodes, job_dir)
     swapped = list(reversed(HOSTS))  # rank 0 now runs where only rank1.pt was written
     result = run_on_nodes(nodes, job_dir, "--steps", "6", "--load", "--out", "swapped",
                           hosts=swapped)
@@ -221,7 +230,6 @@ def test_shared_filesystem_writes_the_shared_files_once(job_dir):
 def test_node_whose_latest_differs_fails_every_rank(nodes, job_dir, damage):
     """Same placement, but 127.0.0.3's save dir was emptied (a replaced node) or its `latest`
     names another tag (its commit of the newest save failed): every rank must fail, not some."""
-    save_three_steps(nodes, job_dir)
     local = node_dir(job_dir, HOSTS[1])
     if damage == "lost":
         shutil.rmtree(local)
