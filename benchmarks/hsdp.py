@@ -10,6 +10,7 @@ The table: median step time over the steady steps, and the bytes one rank sends 
 
     .venv/bin/python benchmarks/hsdp.py                       # links: none, 10 and 1 Gbit/s
     .venv/bin/python benchmarks/hsdp.py --width 2048 --gbit 25,1
+    .venv/bin/python benchmarks/hsdp.py --stage 2               # stage 2 over the same links (no HSDP row)
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ NO_LINK = 1e9  # Gbit/s: no delay to speak of
 
 
 def one_run(group: int, gbit: float, args: argparse.Namespace) -> dict:
-    argv = [sys.executable, "-m", "crew", "run", "--num_gpus", "4", str(JOB), "--group", str(group),
-            "--gbit", str(gbit), "--latency_ms", str(0 if gbit >= NO_LINK else args.latency_ms),
+    argv = [sys.executable, "-m", "crew", "run", "--num_gpus", "4", str(JOB), "--stage", str(args.stage),
+            "--group", str(group), "--gbit", str(gbit), "--latency_ms", str(0 if gbit >= NO_LINK else args.latency_ms),
             "--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps)]
     done = run_job(argv, None, {**os.environ, "OMP_NUM_THREADS": "1"}, args.timeout)
     line = next((line for line in done.stdout.splitlines() if "BENCH " in line), None)
@@ -40,6 +41,7 @@ def one_run(group: int, gbit: float, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", type=int, default=3, choices=(2, 3), help="ZeRO stage (HSDP rows at 3 only)")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
@@ -50,13 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     links = [NO_LINK if g == "none" else float(g) for g in args.gbit.split(",")]
     rows = []
     for gbit in links:
-        for group, name in ((0, "stage 3 over 4 ranks"), (2, "HSDP, groups of 2")):
+        layouts = ((0, f"stage {args.stage} over 4 ranks"), (2, "HSDP, groups of 2"))[:2 if args.stage == 3 else 1]
+        for group, name in layouts:
             result = one_run(group, gbit, args)
             steady = result["step_s"][1:]
             rows.append((gbit, name, statistics.median(steady), result["cross_bytes"], result["params"]))
     params = rows[0][4]
-    print(f"ZeRO stage 3, {params / 1e6:.1f}M params (MLP {args.layers} x {args.width}), 4 CPU ranks as 2 nodes "
-          f"x 2, fp32 AdamW, micro batch 8; latency {args.latency_ms} ms on a simulated link")
+    print(f"ZeRO stage {args.stage}, {params / 1e6:.1f}M params (MLP {args.layers} x {args.width}), 4 CPU ranks as "
+          f"2 nodes x 2, fp32 AdamW, micro batch 8; latency {args.latency_ms} ms on a simulated link")
     print(f"{'link':>10}  {'layout':<22}{'step (median)':>15}{'MB across the link per rank per step':>40}")
     for gbit, name, step, cross, _ in rows:
         link = "none" if gbit >= NO_LINK else f"{gbit:g} Gbit/s"
