@@ -161,6 +161,20 @@ def count_table(table: dict, results: dict) -> None:
             print(f"{key[0]} on {key[1]} ranks, stage {key[2]}: {job}")
 
 
+def issue_table(table: dict) -> None:
+    """The issue's layout: per stage and variant, bf16 at the largest rank count, crew | DeepSpeed per GA."""
+    ranks = max((key[0] for key in table), default=None)
+    picked = {key[1:]: by_library for key, by_library in table.items() if key[0] == ranks and key[2] == "bf16"}
+    gas = sorted({key[2] for key in picked})
+    if not picked:
+        return
+    print(f"bf16, {ranks} ranks: " + " | ".join(f"{lib} GA={ga}" for ga in gas for lib in ("crew", "DeepSpeed")))
+    for stage, variant in dict.fromkeys((key[0], key[3]) for key in picked):
+        cells = [cell(picked.get((stage, "bf16", ga, variant), {}).get(lib))[0]
+                 for ga in gas for lib in ("crew", "deepspeed")]
+        print(f"stage {stage}{f' {variant}' if variant else '':<7}: " + " | ".join(cells))
+
+
 def check_lines(results: dict) -> None:
     """The profiler's cross-check: which jobs had ops issued from C++, and any disagreement."""
     from_cpp, disagree = set(), []
@@ -231,6 +245,8 @@ def report(results: dict, args, wall_s: float) -> None:
           "reduce_scatter, bc broadcast, rd reduce; * = ranks differ (worst rank shown).")
     count_table(table, results)
     check_lines(results)
+    print()
+    issue_table(table)
     print()
     print("Peak RSS of the worst rank after the job's first configuration (ru_maxrss):")
     rss_table(table)
