@@ -3,9 +3,10 @@
 The application itself (DeepSpeedExamples@45b4b715 applications/DeepSpeed-Chat) stays out of the
 repository: scripts/dschat_sft.py is written in its step 1 main.py's shape and makes the same DeepSpeed and
 Hugging Face calls in the same order (no code copied; benchmarks/dschat_step1.py runs the real main.py).
-The test writes a tiny OPT model, its tokenizer and local JSON data (dschat_tiny.py), then runs one job per
-configuration: ZeRO 0, ZeRO 2, ZeRO 3 with --offload (DeepSpeedCPUAdam), and ZeRO 3 with LoRA
-(--only_optimize_lora) and --gradient_checkpointing. fp32, no dropout, 2 epochs of 2 optimizer steps.
+The test writes a tiny OPT model, its tokenizer and local JSON data (dschat_tiny.py), then runs each
+configuration in turn in one job (scripts/dschat_runs.py, one start of the ranks): ZeRO 0, ZeRO 2, ZeRO 3 with
+--offload (DeepSpeedCPUAdam), and ZeRO 3 with LoRA (--only_optimize_lora) and --gradient_checkpointing. fp32, no
+dropout, 2 epochs of 2 optimizer steps.
 
 Checked for each: the job ends with 0, prints its perplexity lines, trains (the eval loss falls); its
 eval loss before training is the pretrained model's, computed here without DeepSpeed or crew (so ZeRO-3's
@@ -16,18 +17,19 @@ from_pretrained and gives the run's last eval loss. And the three full-model run
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import pytest
-from conftest import REPO, crew
+from conftest import REPO, Result, crew
 
 pytest.importorskip("transformers", reason="the Hugging Face tests need the test extra: pip install 'crew[test]'")
 pytest.importorskip("datasets", reason="the DeepSpeed-Chat test needs datasets (the test extra)")
 import torch  # noqa: E402
 from dschat_tiny import eval_loss, write_data, write_model  # noqa: E402
 
-SCRIPT = REPO / "tests" / "hf" / "scripts" / "dschat_sft.py"
+RUNNER = REPO / "tests" / "hf" / "scripts" / "dschat_runs.py"
 MAX_SEQ_LEN = 64
 LORA_DIM = 4
 COMMON = ["--data_split", "10,0,0", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "1",
@@ -45,6 +47,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 PPL_LINE = re.compile(r"\[[^\]]+:0\] ppl: (\S+), loss: (\S+)")
 LOSS_LINE = re.compile(r"\[[^\]]+:(\d)\] Epoch: (\d+), Step: (\d+), Rank: \d, loss = (\S+)")
 PARAMS_LINE = re.compile(r"\[[^\]]+:0\] Model Parameters: [\d.]+ B \((\d+) in ")
+RANK_LINE = re.compile(r"\[[^\]]+:(\d+)\] (.*)")
+RUN_LINE = re.compile(r"dschat run (\S+) on rank \d+")
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +60,35 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(setup):
-    """Every configuration's job, run once; a failed job fails only its own tests."""
+    """Every configuration run once, one after the other in one job (scripts/dschat_runs.py: one start of the
+    ranks instead of four); each run's output lines, told apart rank by rank, and its own failure, if any."""
     folder, model, data, _ = setup
-    results = {}
-    for name, flags in RUNS.items():
-        run = crew("run", "--as_deepspeed", "--num_gpus", "2", str(SCRIPT), "--model_name_or_path", str(model),
-                   "--data_path", str(data), "--data_output_path", str(folder / f"cache-{name}"), "--output_dir",
-                   str(folder / name), *COMMON, *flags, cwd=folder,
-                   env={**OFFLINE, "HF_DATASETS_CACHE": str(folder / "hf-datasets")}, timeout=300)
-        results[name] = (run, folder / name)
-    return results
+    argvs = {name: ["--model_name_or_path", str(model), "--data_path", str(data), "--data_output_path",
+                    str(folder / f"cache-{name}"), "--output_dir", str(folder / name), *COMMON, *flags]
+             for name, flags in RUNS.items()}
+    (folder / "runs.json").write_text(json.dumps(argvs))
+    job = crew("run", "--as_deepspeed", "--num_gpus", "2", str(RUNNER), "runs.json", cwd=folder,
+               env={**OFFLINE, "HF_DATASETS_CACHE": str(folder / "hf-datasets")}, timeout=600)
+    return {name: (Result(job.code or int(failed), out, job.err, job.seconds), folder / name)
+            for name, (out, failed) in split_runs(job.out).items()}
+
+
+def split_runs(out: str) -> dict[str, tuple[str, bool]]:
+    """The job's output lines of each run (every rank's lines after its own `dschat run NAME on rank R`, as
+    each rank's lines keep their order) and whether the run failed on some rank."""
+    lines: dict[str, list[str]] = {name: [] for name in RUNS}
+    failed = dict.fromkeys(RUNS, False)
+    current: dict[str, str] = {}
+    for line in out.splitlines():
+        if not (match := RANK_LINE.match(line)):
+            continue
+        rank, text = match.groups()
+        if started := RUN_LINE.fullmatch(text):
+            current[rank] = started.group(1)
+        elif rank in current:
+            failed[current[rank]] |= text.startswith(f"dschat run {current[rank]} failed")
+            lines[current[rank]].append(line)
+    return {name: ("\n".join(lines[name]), failed[name]) for name in RUNS}
 
 
 def finished(runs, name):
