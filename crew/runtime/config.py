@@ -337,14 +337,15 @@ _ZERO_DEEPSPEED_ONLY = frozenset({
     "stage3_module_granularity_threshold", "stage3_param_persistence_threshold",
     "stage3_partition_stream_chunk_size", "stage3_prefetch_bucket_size",
     "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
-    "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
+    "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
     "zero_quantized_nontrainable_weights", "zero_quantized_weights", "zeropp_loco_param"})
 # Typed (so a wrong value is an error) but not acted on: listed when set to anything but the default.
 # Pre-dividing is a guard against fp16 overflow in the all-reduce; crew averages in one division.
 _TYPED_NO_EFFECT = {"prescale_gradients": False, "gradient_predivide_factor": 1.0, "wall_clock_breakdown": False}
 # crew/runtime/zero/ reads these (and "wrap", crew's own), the engine the stage3_gather_* ones (Accelerate and
 # Trainer ask it, at stage 3); the rest of DeepSpeed's ZeRO keys have no effect.
-_ZERO_IMPLEMENTED = frozenset({"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "wrap",
+_ZERO_IMPLEMENTED = frozenset({"stage", "reduce_bucket_size", "use_multi_rank_bucket_allreduce", "offload_optimizer",
+                               "offload_param", "wrap",
                                "mics_shard_size", "zero_hpz_partition_size",
                                "stage3_gather_16bit_weights_on_model_save",
                                "stage3_gather_fp16_weights_on_model_save"})

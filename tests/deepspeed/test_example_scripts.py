@@ -1,6 +1,6 @@
 """DeepSpeed example scripts, unchanged in their shape (tests/deepspeed/scripts/, origins noted in each),
 run by `crew run --as_deepspeed` on 2 CPU ranks at ZeRO stages 0 and 3: they train, and resume (each
-resuming script at one stage, the two stages between them)."""
+resuming script at one stage, the two stages between them). The cifar10 script's two stages run in one job."""
 
 from __future__ import annotations
 
@@ -9,24 +9,39 @@ import re
 import shutil
 
 import pytest
-from conftest import crew
-
-from conftest import REPO
+from conftest import REPO, crew, wait_until_gone
+from runs_in_turn import split_runs
 
 SCRIPTS = REPO / "tests" / "deepspeed" / "scripts"
+RUNNER = REPO / "tests" / "runs_in_turn.py"
+
+
+@pytest.fixture(scope="module")
+def cifar10_runs(tmp_path_factory):
+    """The cifar10 script at stages 0 and 3, one after the other in one job (runs_in_turn.py: one start of the
+    ranks instead of two): the job's result and each run's output lines and failure."""
+    folder = tmp_path_factory.mktemp("cifar10")
+    script = str(SCRIPTS / "cifar10_style.py")
+    runs = {f"stage{stage}": [script, "--deepspeed", "--stage", str(stage)] for stage in (0, 3)}
+    (folder / "runs.json").write_text(json.dumps(runs))
+    # DeepSpeedExamples' run_ds.sh: `deepspeed --bind_cores_to_rank cifar10_deepspeed.py --deepspeed $@`
+    job = crew("run", "--num_gpus", "2", "--as_deepspeed", "--bind_cores_to_rank", str(RUNNER), "runs.json",
+               cwd=folder, timeout=240)
+    left = wait_until_gone(folder, timeout=15)
+    assert not left, f"processes left running after the job: {left}"
+    return job, split_runs(job.out, runs)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_cifar10_script_trains(job_dir, stage):
-    # DeepSpeedExamples' run_ds.sh: `deepspeed --bind_cores_to_rank cifar10_deepspeed.py --deepspeed $@`
-    run = crew("run", "--num_gpus", "2", "--as_deepspeed", "--bind_cores_to_rank", str(SCRIPTS / "cifar10_style.py"),
-               "--deepspeed", "--stage", str(stage), cwd=job_dir, timeout=240)
-    assert run.code == 0, run.err
-    assert "cores per rank (--bind_cores_to_rank): localhost 0|1" in run.err
-    losses = [float(x) for x in re.findall(r"\] \[\s*\d+,\s+\d+\] loss:\s+([0-9.]+)", run.out)]
-    assert len(losses) == 6 and losses[-1] < losses[0] * 0.7, run.out
-    assert "Accuracy of the network on the 40 test images" in run.out
-    assert "final steps 64" in run.out  # 2 epochs x 512 samples / 16
+def test_cifar10_script_trains(cifar10_runs, stage):
+    job, runs = cifar10_runs
+    out, failed = runs[f"stage{stage}"]
+    assert job.code == 0 and not failed, job.out[-3000:] + job.err[-3000:]
+    assert "cores per rank (--bind_cores_to_rank): localhost 0|1" in job.err
+    losses = [float(x) for x in re.findall(r"\] \[\s*\d+,\s+\d+\] loss:\s+([0-9.]+)", out)]
+    assert len(losses) == 6 and losses[-1] < losses[0] * 0.7, out
+    assert "Accuracy of the network on the 40 test images" in out
+    assert "final steps 64" in out  # 2 epochs x 512 samples / 16
 
 
 @pytest.mark.parametrize("stage", [0])  # stage 3 resumes in the hello_deepspeed script's test

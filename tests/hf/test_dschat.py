@@ -4,7 +4,7 @@ The application itself (DeepSpeedExamples@45b4b715 applications/DeepSpeed-Chat) 
 repository: scripts/dschat_sft.py is written in its step 1 main.py's shape and makes the same DeepSpeed and
 Hugging Face calls in the same order (no code copied; benchmarks/dschat_step1.py runs the real main.py).
 The test writes a tiny OPT model, its tokenizer and local JSON data (dschat_tiny.py), then runs each
-configuration in turn in one job (scripts/dschat_runs.py, one start of the ranks): ZeRO 0, ZeRO 2, ZeRO 3 with
+configuration in turn in one job (tests/runs_in_turn.py, one start of the ranks): ZeRO 0, ZeRO 2, ZeRO 3 with
 --offload (DeepSpeedCPUAdam), and ZeRO 3 with LoRA (--only_optimize_lora) and --gradient_checkpointing. fp32, no
 dropout, 2 epochs of 2 optimizer steps.
 
@@ -28,8 +28,10 @@ pytest.importorskip("transformers", reason="the Hugging Face tests need the test
 pytest.importorskip("datasets", reason="the DeepSpeed-Chat test needs datasets (the test extra)")
 import torch  # noqa: E402
 from dschat_tiny import eval_loss, write_data, write_model  # noqa: E402
+from runs_in_turn import split_runs  # noqa: E402
 
-RUNNER = REPO / "tests" / "hf" / "scripts" / "dschat_runs.py"
+SCRIPT = REPO / "tests" / "hf" / "scripts" / "dschat_sft.py"
+RUNNER = REPO / "tests" / "runs_in_turn.py"
 MAX_SEQ_LEN = 64
 LORA_DIM = 4
 COMMON = ["--data_split", "10,0,0", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "1",
@@ -47,8 +49,6 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 PPL_LINE = re.compile(r"\[[^\]]+:0\] ppl: (\S+), loss: (\S+)")
 LOSS_LINE = re.compile(r"\[[^\]]+:(\d)\] Epoch: (\d+), Step: (\d+), Rank: \d, loss = (\S+)")
 PARAMS_LINE = re.compile(r"\[[^\]]+:0\] Model Parameters: [\d.]+ B \((\d+) in ")
-RANK_LINE = re.compile(r"\[[^\]]+:(\d+)\] (.*)")
-RUN_LINE = re.compile(r"dschat run (\S+) on rank \d+")
 
 
 @pytest.fixture(scope="module")
@@ -60,35 +60,17 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(setup):
-    """Every configuration run once, one after the other in one job (scripts/dschat_runs.py: one start of the
-    ranks instead of four); each run's output lines, told apart rank by rank, and its own failure, if any."""
+    """Every configuration run once, one after the other in one job (runs_in_turn.py: one start of the ranks
+    instead of four); each run's output lines, told apart rank by rank, and its own failure, if any."""
     folder, model, data, _ = setup
-    argvs = {name: ["--model_name_or_path", str(model), "--data_path", str(data), "--data_output_path",
+    argvs = {name: [str(SCRIPT), "--model_name_or_path", str(model), "--data_path", str(data), "--data_output_path",
                     str(folder / f"cache-{name}"), "--output_dir", str(folder / name), *COMMON, *flags]
              for name, flags in RUNS.items()}
     (folder / "runs.json").write_text(json.dumps(argvs))
     job = crew("run", "--as_deepspeed", "--num_gpus", "2", str(RUNNER), "runs.json", cwd=folder,
                env={**OFFLINE, "HF_DATASETS_CACHE": str(folder / "hf-datasets")}, timeout=600)
     return {name: (Result(job.code or int(failed), out, job.err, job.seconds), folder / name)
-            for name, (out, failed) in split_runs(job.out).items()}
-
-
-def split_runs(out: str) -> dict[str, tuple[str, bool]]:
-    """The job's output lines of each run (every rank's lines after its own `dschat run NAME on rank R`, as
-    each rank's lines keep their order) and whether the run failed on some rank."""
-    lines: dict[str, list[str]] = {name: [] for name in RUNS}
-    failed = dict.fromkeys(RUNS, False)
-    current: dict[str, str] = {}
-    for line in out.splitlines():
-        if not (match := RANK_LINE.match(line)):
-            continue
-        rank, text = match.groups()
-        if started := RUN_LINE.fullmatch(text):
-            current[rank] = started.group(1)
-        elif rank in current:
-            failed[current[rank]] |= text.startswith(f"dschat run {current[rank]} failed")
-            lines[current[rank]].append(line)
-    return {name: ("\n".join(lines[name]), failed[name]) for name in RUNS}
+            for name, (out, failed) in split_runs(job.out, RUNS).items()}
 
 
 def finished(runs, name):

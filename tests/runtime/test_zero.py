@@ -149,7 +149,7 @@ def test_stages_1_2_3_give_stage_0s_losses_and_weights_with_accumulation_and_cli
             for name, value in base["params"].items():
                 torch.testing.assert_close(rank[stage]["params"][name], value, rtol=1e-5, atol=1e-6)
     # each stage really runs on its own machinery
-    assert ranks[0][1]["optimizer"] == "ZeroRedundancyOptimizer"
+    assert ranks[0][1]["optimizer"] == "GatheringZeroRedundancyOptimizer"  # param_sync.py's subclass
     assert ranks[0][2]["optimizer"] == "PartitionedOptimizer"
     assert set(ranks[0][3]["sharded"]) == {"DTensor"}
     assert set(ranks[0][0]["sharded"]) == set(ranks[0][2]["sharded"]) == {"Parameter"}  # whole at stage 2
@@ -208,12 +208,8 @@ def batch_of(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def stage2_fp32(rank: int) -> dict:
-    """fp32 at stage 2: who holds which .grad after each backward, the norms, the whole parameters.
-    Weights (256 elements) are reduced and broadcast in place here, biases flattened."""
+    """fp32 at stage 2: who holds which .grad after each backward, the norms, the whole parameters."""
     import crew
-    from crew.runtime.zero import stage2 as zero_stage2
-
-    zero_stage2.OWN_COLLECTIVE = 64
     torch.manual_seed(0)
     engine, _, _, _ = crew.initialize(model=make_model(), config=config(2))
     names = {id(p): name for name, p in engine.module.named_parameters()}
@@ -239,10 +235,10 @@ def stage2_fp16_overflow(rank: int) -> dict:
     """fp16 at stage 2: an inf in rank 1's input at step 2 skips that step on both ranks; the fp32
     masters, each on one rank, gathered whole (weights broadcast in place, biases flattened)."""
     import crew
-    from crew.runtime.zero import stage2 as zero_stage2
     from crew.runtime.checkpoint.state import gathered_masters
+    from crew.runtime.zero import param_sync
 
-    zero_stage2.OWN_COLLECTIVE = 64
+    param_sync.OWN_COLLECTIVE = 64
     torch.manual_seed(0)
     engine, _, _, _ = crew.initialize(model=make_model(), config=config(2, fp16=FP16))
     generator = torch.Generator().manual_seed(1)
@@ -378,6 +374,8 @@ def tracked_bytes_per_param(rank: int, stage: int) -> float:
     count = sum(p.numel() for p in model.parameters())
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "steps_per_print": 1000,
                  "zero_optimization": {"stage": stage, **({"reduce_bucket_size": 4096} if stage == 2 else {})}}
+    if stage == 1:  # its all-gather of the updated parameters holds as many elements (the model, by default)
+        ds_config["zero_optimization"]["reduce_bucket_size"] = 4096
     # AdamW one tensor at a time: the foreach kernels' scratch (another 1/N of the params) is no model state
     engine, _, _, _ = crew.initialize(model=model, config=ds_config,
                                       optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False))

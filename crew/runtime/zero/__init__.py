@@ -65,6 +65,7 @@ class Zero:
         extra = dict(section.model_extra or {})
         self.wrap_rule = _wrap_rule(extra.get("wrap", "blocks"))
         self.bucket_elements = _bucket_elements(extra.get("reduce_bucket_size"))
+        self.reduce_to_owners = _reduce_to_owners(extra.get("use_multi_rank_bucket_allreduce", True), self.stage)
         self.offload = _offload(extra, self.stage, device)
         # stages 1-2: the fp32 masters, their gradients and the optimizer's state and step on the CPU
         self.offload_optimizer = bool(self.offload and self.stage in (1, 2))
@@ -99,12 +100,14 @@ class Zero:
             return None
         from torch.nn.parallel import DistributedDataParallel
         ids = [self.device.index] if self.device.type == "cuda" else None
-        options: dict[str, Any] = {"gradient_as_bucket_view": True}  # no second copy of the grads
-        if self.bucket_elements is not None:
-            dtype = next((p.dtype for p in model.parameters()), torch.float32)
-            size = torch.tensor([], dtype=dtype).element_size()
-            options["bucket_cap_mb"] = self.bucket_elements * size / 2**20
-        return DistributedDataParallel(model, device_ids=ids, **options)
+        # DeepSpeed's default bucket (5e8 elements) unless set: a model below it reduces in one call, as under
+        # DeepSpeed. As bucket views the gradients are the buckets, so a larger bucket costs no memory; given a
+        # size, DDP's first bucket is no smaller than the rest
+        elements = self.bucket_elements or 500_000_000
+        dtype = next((p.dtype for p in model.parameters()), torch.float32)
+        size = torch.tensor([], dtype=dtype).element_size()
+        return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True,
+                                       bucket_cap_mb=elements * size / 2**20)
 
     def shard(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
         """Stage 3: fully_shard the model's units and its root, in place (stage3.py). Returns {id(old
@@ -147,7 +150,7 @@ class Zero:
             optimizer.parameter_offload = DeepSpeedZeRoOffload(self._sharded)  # TRL's generation reads it
         if self.stage not in (1, 2):
             return optimizer
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from crew.runtime.zero.param_sync import GatheringZeroRedundancyOptimizer  # seconds to import: on use
         cls = type(optimizer)
         accepted = inspect.signature(cls.__init__).parameters
         # defaults can hold entries the constructor does not take (AdamW: decoupled_weight_decay)
@@ -159,12 +162,15 @@ class Zero:
                 # model's parameters; stage 1 reduces through DDP
                 from crew.runtime.zero import stage2
                 partitioned = stage2.partition(optimizer, cls, defaults, precision, self.bucket_elements,
-                                                    self.device, reduce_gradients=self.stage == 2)
+                                                    self.device, reduce_gradients=self.stage == 2,
+                                                    to_owners=self.reduce_to_owners)
                 self.grads, self.partitioned = partitioned.grads, True
                 return _stepping_for(optimizer, partitioned)
-            # The same group dicts: a scheduler built on `optimizer` still sets the lr that is used.
-            return _stepping_for(optimizer, ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=cls,
-                                                                    **defaults))
+            # The same group dicts: a scheduler built on `optimizer` still sets the lr that is used. Its owners'
+            # parameters come back by all-gather (param_sync.py), not a broadcast per parameter
+            return _stepping_for(optimizer, GatheringZeroRedundancyOptimizer(
+                optimizer.param_groups, chunk_elements=self.bucket_elements or 500_000_000, optimizer_class=cls,
+                **defaults))
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"zero_optimization.stage {self.stage} rebuilds the optimizer as ZeroRedundancyOptimizer("
@@ -205,6 +211,19 @@ def _bucket_elements(value: Any) -> int | None:
         raise ConfigError(f"zero_optimization.reduce_bucket_size must be a number of elements >= 1 "
                           f"(DeepSpeed's default is 5e8), got {value!r}.")
     return int(value)
+
+
+def _reduce_to_owners(value: Any, stage: int) -> bool:
+    """use_multi_rank_bucket_allreduce false: stage 2 reduces each bucket's slices into their owners only."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"zero_optimization.use_multi_rank_bucket_allreduce must be true (all-reduce each "
+                          f"gradient bucket, DeepSpeed's default) or false (reduce each owner's part of it to "
+                          f"that owner), got {value!r}.")
+    if not value and stage != 2:
+        log_rank0("zero_optimization.use_multi_rank_bucket_allreduce false has no effect at stage %d: crew "
+                  "reduces to the owners at stage 2 only (stages 0-1 all-reduce through DDP, stage 3 "
+                  "reduce-scatters through FSDP2)", stage)
+    return not value and stage == 2
 
 
 def _offload(extra: dict, stage: int, device: torch.device) -> dict | None:

@@ -7,18 +7,20 @@ full, equal tensors on every rank. Stage 1 under fp16/bf16 (or with offload_opti
 CPU) uses the same optimizer without the gradient hooks: DDP averages the gradients there.
 
     backward   each parameter's gradient, as autograd finishes it (a post-accumulate-grad hook), is
-               taken from `.grad` into its bucket; a full bucket is averaged over the ranks (large
-               gradients in place, small ones copied into one flat buffer; buckets go out in a fixed
+               copied from `.grad` into its bucket's flat buffer (laid out owner by owner); a full bucket
+               is averaged over the ranks in one all-reduce (with use_multi_rank_bucket_allreduce false,
+               as DeepSpeed's: one reduce of each owner's slice into that owner; buckets go out in a fixed
                order, so the ranks' collectives always match) and the owners add their parts to an
                accumulator, the other ranks drop them. This happens on every micro step, as in
                DeepSpeed's stage 2, so accumulation holds only the owned gradients. At the end of the
                backward that ends an accumulation the accumulators become the owned parameters' `.grad`.
     step       the global gradient norm is summed in float64 (gradnorm.py) from the owned gradients (equal on every
                rank, for clipping and get_global_grad_norm); under fp16 an inf/nan on any rank skips
-               the step on all; each rank steps its own parameters, then broadcasts them.
+               the step on all; each rank steps its own parameters, then all-gathers them (param_sync.py).
 
 Buckets hold reduce_bucket_size elements (DeepSpeed's default 5e8, so models below that reduce once, at
-the end of the backward) and live only during a backward: one is reduced while the next one fills.
+the end of the backward): one is reduced while the next one fills, in flat buffers kept from one backward
+to the next (_BufferPool).
 """
 
 from __future__ import annotations
@@ -34,102 +36,148 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from crew.errors import CrewError
 from crew.log import log_rank0
+from crew.runtime.zero.param_sync import broadcast_flat, chunks, sync_from_owners
+
+__all__ = ["DEFAULT_BUCKET_ELEMENTS", "GradientPartition", "PartitionedOptimizer", "broadcast_flat",
+           "broadcast_module", "chunks", "partition"]
 
 DEFAULT_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size
 IN_FLIGHT = 1  # buckets being reduced while the next one fills (double buffering, as DeepSpeed's)
-OWN_COLLECTIVE = 1 << 20  # elements: a gradient or parameter this large is reduced or broadcast in place
+
+
+class _BufferPool:
+    """The buckets' flat buffers, kept from one backward to the next (on a CPU a fresh buffer of hundreds of MB
+    costs its page faults every time): as many as are in flight at once, each as large as the largest bucket
+    of its kind. Between backwards the optimizer step may borrow one (param_sync's all-gather)."""
+
+    def __init__(self, buckets: list[_Bucket]) -> None:
+        self._size: dict[tuple, int] = {}
+        for bucket in buckets:
+            self._size[bucket.kind] = max(self._size.get(bucket.kind, 0), bucket.numel)
+        self._free: dict[tuple, list[torch.Tensor]] = {kind: [] for kind in self._size}
+
+    def take(self, kind: tuple) -> torch.Tensor:
+        free = self._free[kind]
+        return free.pop() if free else torch.empty(self._size[kind], dtype=kind[0], device=kind[1])
+
+    def give(self, buffer: torch.Tensor) -> None:
+        free = self._free[(buffer.dtype, buffer.device)]
+        if len(free) <= IN_FLIGHT:  # one launched, one filling: more than that only when gradients come out of order
+            free.append(buffer)
+
+    def lend(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor | None:
+        """A kept buffer of `numel` elements, for use before the next backward (grown if it is smaller: the
+        all-gather's padding); None where no buffer of that kind is kept."""
+        free = self._free.get((dtype, device))
+        if not free:
+            return None
+        if free[0].numel() < numel:
+            free[0] = torch.empty(numel, dtype=dtype, device=device)
+        return free[0][:numel]
 
 
 class _Bucket:
-    """A run of parameters (one dtype and device) whose gradients are reduced together: each large
-    one in place, in a collective of its own (no copy: on a CPU a fresh bucket of hundreds of MB
-    costs its page faults at every backward), the small ones flattened into one buffer."""
+    """A run of parameters (one dtype and device) whose gradients are reduced together in one flat buffer
+    (a pooled one), laid out owner by owner, so that each owner's part is one slice of it."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
+        self.kind = (dtype, device)
         self.params: list[torch.Tensor] = []
-        self.offsets: list[int | None] = []  # into the flat buffer; None: reduced in place
-        self.numel = self.flat_numel = 0
-        self.grads: list[torch.Tensor | None] = []
-        self.buffer: torch.Tensor | None = None
+        self.owners: list[int] = []
+        self.offsets: list[int] = []
+        self.slices: list[tuple[int, int, int]] = []  # (owner, start, end) in the flat buffer
+        self.numel = 0
+        self.filled: list[bool] = []
+        self.buffer: torch.Tensor | None = None  # the pooled buffer, while a backward uses it
         self.works: list = []
 
-    def place(self, param: torch.Tensor) -> None:
+    def place(self, param: torch.Tensor, owner: int) -> None:
         self.params.append(param)
-        own = param.numel() >= OWN_COLLECTIVE
-        self.offsets.append(None if own else self.flat_numel)
-        self.flat_numel += 0 if own else param.numel()
+        self.owners.append(owner)
         self.numel += param.numel()
-        self.grads.append(None)
+        self.filled.append(False)
+
+    def lay_out(self) -> None:
+        """Each owner's gradients next to each other, in owner order."""
+        self.offsets, start = [0] * len(self.params), 0
+        for owner in sorted(set(self.owners)):
+            first = start
+            for index in (i for i, rank in enumerate(self.owners) if rank == owner):
+                self.offsets[index] = start
+                start += self.params[index].numel()
+            self.slices.append((owner, first, start))
 
     def reduced(self, index: int) -> torch.Tensor:
         start = self.offsets[index]
-        if start is None:
-            return self.grads[index]
         return self.buffer[start:start + self.params[index].numel()].view_as(self.params[index])
 
-    def add(self, index: int, grad: torch.Tensor) -> None:
-        if self.grads[index] is not None:
+    def add(self, index: int, grad: torch.Tensor, pool: _BufferPool) -> None:
+        if self.filled[index]:
             raise CrewError(f"ZeRO stage 2: a gradient of a {tuple(grad.shape)} parameter arrived twice in "
                             "one backward; crew reduces each parameter's gradient once per backward.")
-        if self.offsets[index] is None:  # autograd made it for this backward: it is ours to reduce
-            self.grads[index] = grad.detach().to(self.dtype).contiguous()
-            return
         if self.buffer is None:
-            self.buffer = torch.empty(self.flat_numel, dtype=self.dtype, device=self.device)
+            self.buffer = pool.take(self.kind)
         self.reduced(index).copy_(grad)
-        self.grads[index] = self.reduced(index)
+        self.filled[index] = True
 
     @property
     def complete(self) -> bool:
-        return all(grad is not None for grad in self.grads)
+        return all(self.filled)
 
-    def launch(self, world_size: int) -> None:
-        """Average over the ranks (async); a gradient that did not come here counts as zero."""
-        if self.flat_numel and self.buffer is None:
-            self.buffer = torch.zeros(self.flat_numel, dtype=self.dtype, device=self.device)
-        for index, param in enumerate(self.params):
-            if self.grads[index] is None:
-                self.grads[index] = self.reduced(index).zero_() if self.offsets[index] is not None else \
-                    torch.zeros(param.shape, dtype=self.dtype, device=self.device)
-        tensors = [grad for grad, start in zip(self.grads, self.offsets) if start is None]
-        tensors += [self.buffer] if self.flat_numel else []
-        for tensor in tensors:
-            tensor.div_(world_size)  # first, as DDP does: the sum of fp16 gradients stays in range
-            self.works.append(dist.all_reduce(tensor, async_op=True))
+    def launch(self, world_size: int, pool: _BufferPool, to_owners: bool) -> None:
+        """Average over the ranks (async): into every rank (all-reduce), or with `to_owners` each owner's
+        slice into its owner only (a reduce per owner). A gradient that did not come here counts as zero."""
+        if self.buffer is None:
+            self.buffer = pool.take(self.kind)
+        for index, filled in enumerate(self.filled):
+            if not filled:
+                self.reduced(index).zero_()
+        flat = self.buffer[:self.numel]
+        flat.div_(world_size)  # first, as DDP does: the sum of fp16 gradients stays in range
+        if to_owners:
+            self.works = [dist.reduce(flat[start:end], owner, async_op=True) for owner, start, end in self.slices]
+        else:
+            self.works = [dist.all_reduce(flat, async_op=True)]
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
 
-    def release(self) -> None:
+    def release(self, pool: _BufferPool) -> None:
+        if self.buffer is not None:
+            pool.give(self.buffer)
         self.buffer, self.works = None, []
-        self.grads = [None] * len(self.params)
+        self.filled = [False] * len(self.params)
 
 
-def _plan_buckets(params: list[torch.Tensor], capacity: int) -> list[_Bucket]:
+def _plan_buckets(owners: list[tuple[torch.Tensor, int]], capacity: int) -> list[_Bucket]:
     """Buckets in the order autograd usually finishes the gradients (the reverse of the parameters')."""
     buckets: list[_Bucket] = []
     open_by_kind: dict[tuple, _Bucket] = {}
-    for param in reversed(params):
+    for param, owner in reversed(owners):
         kind = (param.dtype, param.device)
         bucket = open_by_kind.get(kind)
         if bucket is None or (bucket.numel and bucket.numel + param.numel() > capacity):
             bucket = open_by_kind[kind] = _Bucket(param.dtype, param.device)
             buckets.append(bucket)
-        bucket.place(param)
+        bucket.place(param, owner)
+    for bucket in buckets:
+        bucket.lay_out()
     return buckets
 
 
 class GradientPartition:
     """Stage 2's gradients: reduced on every backward, kept by the rank that owns the parameter."""
 
-    def __init__(self, owners: list[tuple[torch.Tensor, int]], bucket_elements: int, device: torch.device) -> None:
+    def __init__(self, owners: list[tuple[torch.Tensor, int]], bucket_elements: int, device: torch.device,
+                 to_owners: bool = False) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = device
+        self.to_owners = to_owners  # use_multi_rank_bucket_allreduce false: reduce each owner's slice to it
         self.owned = [param for param, owner in owners if owner == self.rank]
         self._owned_ids = {id(param) for param in self.owned}
-        self.buckets = _plan_buckets([param for param, _ in owners], bucket_elements)
+        self.buckets = _plan_buckets(owners, bucket_elements)
+        self.pool = _BufferPool(self.buckets)
         self._slot = {id(param): (order, index) for order, bucket in enumerate(self.buckets)
                       for index, param in enumerate(bucket.params)}
         self._accumulated: dict[int, torch.Tensor] = {}
@@ -175,7 +223,7 @@ class GradientPartition:
         if order < self._next:
             raise CrewError("ZeRO stage 2: a gradient arrived after its bucket was reduced; crew reduces "
                             "each parameter's gradient once per backward.")
-        self.buckets[order].add(index, grad)
+        self.buckets[order].add(index, grad, self.pool)
         self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -185,7 +233,7 @@ class GradientPartition:
     def _launch(self, bucket: _Bucket) -> None:
         if self.on_ready is not None:
             self.on_ready()
-        bucket.launch(self.world_size)
+        bucket.launch(self.world_size, self.pool, self.to_owners)
         self._next += 1
         self._launched.append(bucket)
         while len(self._launched) > IN_FLIGHT:
@@ -205,11 +253,10 @@ class GradientPartition:
         for index, param in enumerate(bucket.params):
             if id(param) in self._owned_ids:
                 reduced = bucket.reduced(index)
-                if bucket.offsets[index] is not None:
-                    reduced = reduced.clone()  # out of the flat buffer, which goes
                 total = self._accumulated.get(id(param))
-                self._accumulated[id(param)] = reduced if total is None else total.add_(reduced)
-        bucket.release()
+                # out of the flat buffer, which the next bucket reuses
+                self._accumulated[id(param)] = reduced.clone() if total is None else total.add_(reduced)
+        bucket.release(self.pool)
 
     def _reclaim(self) -> None:
         """Owned gradients published at a boundary and not stepped yet go back to the accumulator,
@@ -223,7 +270,7 @@ class GradientPartition:
     def _abandon(self) -> None:
         for bucket in self.buckets:
             bucket.wait()
-            bucket.release()
+            bucket.release(self.pool)
         self._launched, self._next, self._reducing = [], 0, False
 
     # -- step and teardown ----------------------------------------------------------------------
@@ -257,7 +304,7 @@ def _hook(partition_ref: weakref.ref, param: torch.Tensor) -> None:
 class PartitionedOptimizer(ZeroRedundancyOptimizer):
     """ZeroRedundancyOptimizer for stage 2: each rank steps the parameters it owns (their fp32 masters
     under fp16/bf16, which only the owner keeps: the other ranks hold a stand-in without storage in
-    their place), then the owners broadcast the model's parameters."""
+    their place), then every rank gathers the model's parameters from their owners."""
 
     def __init__(self, groups: list[dict], optimizer_class: type, model_param_of: dict[int, torch.Tensor],
                  before_broadcast: Callable[[], None], bucket_elements: int, **defaults) -> None:
@@ -278,12 +325,12 @@ class PartitionedOptimizer(ZeroRedundancyOptimizer):
 
     @torch.no_grad()
     def _sync_params(self) -> None:
-        """After the local step: the owned masters go into the model's parameters, which the owners
-        broadcast (ZeroRedundancyOptimizer would broadcast the optimizer's tensors)."""
+        """After the local step: the owned masters go into the model's parameters, which every rank gathers
+        from their owners (ZeroRedundancyOptimizer would broadcast the optimizer's tensors one by one)."""
         self._before_broadcast()
-        for rank, groups in enumerate(self._partition_parameters()):
-            tensors = [self.model_param(tensor) for group in groups for tensor in group["params"]]
-            broadcast_flat(tensors, rank, self._bucket_elements)
+        shares = [[self.model_param(tensor) for group in groups for tensor in group["params"]]
+                  for groups in self._partition_parameters()]
+        sync_from_owners(shares, self._bucket_elements, self.grads.pool.lend if self.grads is not None else None)
 
     @torch.no_grad()
     def gather_masters(self, keep: bool) -> dict[int, torch.Tensor]:
@@ -337,71 +384,11 @@ class PartitionedOptimizer(ZeroRedundancyOptimizer):
             self.grads.remove()
 
 
-def broadcast_flat(tensors: list[torch.Tensor], source: int, chunk_elements: int,
-                   keep: bool = True) -> list[torch.Tensor]:
-    """Broadcast `tensors` from rank `source` into the same tensors elsewhere (unless not `keep`:
-    then only their shapes matter): each large one in place, the others flattened in chunks of one
-    dtype (one collective per chunk, not one per tensor). Returns them."""
-    receiving = dist.get_rank() != source
-    handles = []
-    wire = _wire_device()
-    for tensor in (t for t in tensors if t.numel() >= OWN_COLLECTIVE):  # the same choice on every rank
-        if not receiving:
-            buffer = tensor.detach().contiguous().to(wire or tensor.device)
-        elif keep and tensor.is_contiguous() and wire in (None, tensor.device):
-            buffer = tensor.detach()
-        else:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire or tensor.device)
-        handles.append((tensor, buffer, dist.broadcast(buffer, source, async_op=True)))
-        if not keep:
-            handles.pop()[2].wait()  # not kept: one at a time
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for tensor in (t for t in tensors if t.numel() < OWN_COLLECTIVE):
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for (dtype, device), group in by_kind.items():
-        for chunk in chunks(group, chunk_elements):
-            if not receiving:
-                flat = torch.cat([tensor.detach().reshape(-1) for tensor in chunk]).to(wire or device)
-            else:
-                flat = torch.empty(sum(t.numel() for t in chunk), dtype=dtype, device=wire or device)
-            dist.broadcast(flat, source)
-            if receiving and keep:
-                offset = 0
-                for tensor in chunk:
-                    tensor.detach().copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
-    for tensor, buffer, work in handles:
-        work.wait()
-        if receiving and buffer.data_ptr() != tensor.data_ptr():
-            tensor.detach().copy_(buffer)
-    return tensors
-
-
-def _wire_device() -> torch.device | None:
-    """Where broadcast_flat's buffers must be for the process group: the GPU under NCCL alone, which sends no CPU
-    tensor (offload_optimizer keeps the fp32 masters on the CPU); None where the backend takes them as they are."""
-    backend = str(dist.get_backend())
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-def chunks(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
-    chunk, size = [], 0
-    for tensor in tensors:
-        if chunk and size + tensor.numel() > limit:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(tensor)
-        size += tensor.numel()
-    if chunk:
-        yield chunk
-
-
 # -- building it -----------------------------------------------------------------------------------
 
 def partition(optimizer: torch.optim.Optimizer, optimizer_class: type, defaults: dict, precision,
-              bucket_elements: int | None, device: torch.device, reduce_gradients: bool = True) -> PartitionedOptimizer:
+              bucket_elements: int | None, device: torch.device, reduce_gradients: bool = True,
+              to_owners: bool = False) -> PartitionedOptimizer:
     """Stage 2 from a built optimizer (over fp32 masters under fp16/bf16): who owns what, the masters
     of other ranks' parameters freed, the gradient hooks installed."""
     elements = bucket_elements or DEFAULT_BUCKET_ELEMENTS
@@ -426,12 +413,13 @@ def partition(optimizer: torch.optim.Optimizer, optimizer_class: type, defaults:
     owners = [(zero.model_param(tensor), rank) for tensor, rank in zero.owners()]
     trainable = [(param, rank) for param, rank in owners if param.requires_grad]
     if zero.world_size > 1 and reduce_gradients:
-        zero.grads = GradientPartition(trainable, elements, device)
+        zero.grads = GradientPartition(trainable, elements, device, to_owners)
     mine = sum(param.numel() for param, rank in owners if rank == zero.rank)
     log_rank0("ZeRO stage %d: whole parameters on every rank; %soptimizer state of %d of %d elements on rank "
               "0%s%s", 2 if reduce_gradients else 1, "gradients and " if reduce_gradients else "", mine,
               sum(param.numel() for param, _ in owners), " (fp32 masters too)" if stand_ins else "",
-              f", reduced in buckets of up to {elements} elements" if reduce_gradients else "")
+              f", reduced in buckets of up to {elements} elements{' to their owners' if to_owners else ''}"
+              if reduce_gradients else "")
     return zero
 
 
