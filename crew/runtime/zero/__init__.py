@@ -158,8 +158,8 @@ class Zero:
         try:
             if self.stage == 2 or self.offload_optimizer or (precision is not None and precision.master_pairs()):
                 # stage 2, and stage 1 with fp32 masters (bf16/fp16: only the owner keeps its masters, as in
-                # DeepSpeed; offload: masters on the CPU, which NCCL cannot send): the owners broadcast the
-                # model's parameters; stage 1 reduces through DDP
+                # DeepSpeed; offload: masters on the CPU, which NCCL cannot send): every rank gathers the
+                # model's parameters from their owners (param_sync.py); stage 1 reduces through DDP
                 from crew.runtime.zero import stage2
                 partitioned = stage2.partition(optimizer, cls, defaults, precision, self.bucket_elements,
                                                     self.device, reduce_gradients=self.stage == 2,
