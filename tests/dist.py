@@ -10,6 +10,8 @@ which torch.optim imports at the first optimizer) once, with no thread started: 
 of a second instead of the seconds each fresh interpreter spends importing them. Otherwise a rank is as a
 spawned one: the caller's working directory, sys.path and environment, and its atexit handlers run at its end.
 
+run_until_one_dies(fn, world_size): the ranks of a test where one is killed; the others are stopped then.
+
 run_parts(parts, world_size): several such functions, one after the other in the same ranks (one process start
 for a file's many checks); each part's result or failure comes back on its own, so that a part that fails fails
 only the tests that read it.
@@ -23,6 +25,7 @@ import multiprocessing.forkserver
 import os
 import pickle
 import tempfile
+import time
 import traceback
 
 import torch
@@ -87,6 +90,33 @@ def run_ranks(fn, world_size: int = 2, *args, timeout: float = 120.0) -> list:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def run_until_one_dies(fn, world_size: int = 2, *args, timeout: float = 60.0) -> list[int | None]:
+    """Start fn(rank, *args) in `world_size` ranks as run_ranks does, for a rank that is meant to die (say, by
+    SIGKILL): once a rank has died, the others are killed, as a launcher stops the ranks at a first failure.
+    Each rank's exit code in rank order (negative: the signal that ended it), None where this killed it. What the
+    ranks returned or raised is not read: once a rank is gone, its peers fail in their next collective, as they
+    should; the caller asserts on what the ranks left behind."""
+    context = _context()
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_entry, args=(fn, rank, world_size, port, args, results, dict(os.environ)))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not any(proc.exitcode for proc in procs) and any(proc.is_alive() for proc in procs):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no rank died within {timeout} s and not every rank finished")
+            time.sleep(0.05)
+        return [proc.exitcode for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
 
 
 def _parts(rank, parts):

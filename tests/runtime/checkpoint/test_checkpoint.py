@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import signal
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import crew
-from dist import run_ranks
+from dist import run_ranks, run_until_one_dies
+from dying_save import save_twice
 
 
 def make_model(hidden: int = 16) -> torch.nn.Module:
@@ -276,30 +278,35 @@ def test_export_of_a_folder_without_checkpoint_is_a_clear_error(tmp_path):
 
 # -- SIGKILL at chosen points of a save -----------------------------------------------------------
 
-KILLER = """
-    import os, signal, sys, torch
-    import crew
-
-    import crew.runtime.checkpoint.saving as checkpoint_save  # where save looks write_atomic up
-    kill_file, kill_rank = sys.argv[1], int(sys.argv[2])
-    write = checkpoint_save.write_atomic
-
-    def dying_write(path, *args, **kwargs):
-        if save_count[0] == 2 and path.name == kill_file and crew.comm.get_rank() == kill_rank:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return write(path, *args, **kwargs)
-
-    checkpoint_save.write_atomic = dying_write
-    save_count = [0]
-    torch.manual_seed(0)
-    engine, _, _, _ = crew.initialize(model=torch.nn.Linear(32, 32), config={
-        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    for tag in ("first", "second"):
-        save_count[0] += 1
-        engine.backward(engine(torch.randn(4, 32)).sum())
-        engine.step()
-        engine.save_checkpoint("ckpt", tag=tag)
+# The job: dying_save.save_twice, run by crew run once (its report and teardown) and in run_until_one_dies's
+# ranks at every kill point (cheaper: the ranks fork from a process that imported torch).
+KILLER = f"""
+    import os, sys
+    sys.path.insert(0, {str(Path(__file__).parent)!r})
+    from dying_save import save_twice
+    save_twice(int(os.environ["RANK"]), ".", sys.argv[1], int(sys.argv[2]))
 """
+
+
+def assert_loads(folder: Path, expected: str) -> None:
+    """The checkpoint in `folder` loads, on one process (as strict as two more ranks), from the tag `expected`."""
+    import crew as crew_api
+
+    assert (folder / "ckpt" / "latest").read_text() == expected
+    torch.manual_seed(0)
+    engine, _, _, _ = crew_api.initialize(model=torch.nn.Linear(32, 32), config={
+        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    path, _ = engine.load_checkpoint(str(folder / "ckpt"))
+    assert path.endswith(f"ckpt/{expected}") and engine.global_steps == 1
+
+
+def test_a_rank_killed_during_a_save_under_crew_run_is_named_and_the_previous_checkpoint_loads(job_dir):
+    (job_dir / "killer.py").write_text(textwrap.dedent(KILLER))
+    run = crew("run", "--num_gpus", "2", "--no_local_rank", "killer.py", "rank1.pt", "1", cwd=job_dir, timeout=90)
+    assert run.code == 128 + 9, run.err  # SIGKILL, reported as the first failure
+    assert "rank 1 (local 1) was killed by SIGKILL" in run.err
+    assert run.seconds < 30, "the surviving rank hung"
+    assert_loads(job_dir, "first")
 
 
 @pytest.mark.parametrize("kill_file, kill_rank, expected", [
@@ -309,21 +316,10 @@ KILLER = """
     ("crew_checkpoint.json", 0, "first"),  # dies while committing, before the rename
     ("latest", 0, "first"),                # dies after the new tag is in place, before `latest`
 ])
-def test_kill_during_save_keeps_the_previous_checkpoint(job_dir, kill_file, kill_rank, expected):
-    (job_dir / "killer.py").write_text(textwrap.dedent(KILLER))
-    run = crew("run", "--num_gpus", "2", "--no_local_rank", "killer.py", kill_file, str(kill_rank),
-               cwd=job_dir, timeout=90)
-    assert run.code == 128 + 9, run.err  # SIGKILL, reported as the first failure
-    assert f"rank {kill_rank} (local {kill_rank}) was killed by SIGKILL" in run.err
-    assert run.seconds < 30, "the surviving rank hung"
-    assert (job_dir / "ckpt" / "latest").read_text() == expected
-    import crew as crew_api  # load here, on one process: cheaper than two more ranks, and as strict
-
-    torch.manual_seed(0)
-    engine, _, _, _ = crew_api.initialize(model=torch.nn.Linear(32, 32), config={
-        "train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    path, _ = engine.load_checkpoint(str(job_dir / "ckpt"))
-    assert path.endswith(f"ckpt/{expected}") and engine.global_steps == 1
+def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, kill_file, kill_rank, expected):
+    codes = run_until_one_dies(save_twice, 2, str(tmp_path), kill_file, kill_rank)
+    assert codes[kill_rank] == -signal.SIGKILL, codes
+    assert_loads(tmp_path, expected)
 
 
 def test_split_state_balances_bytes_and_merges_back():
