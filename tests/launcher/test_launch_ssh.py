@@ -23,6 +23,13 @@ ALL_REDUCE = """
     json.dump(seen, open(f"rank{dist.get_rank()}.json", "w"))
     dist.destroy_process_group()
 """
+# What a rank was started with, without torch (a test that asserts no collective needs no torch start-up)
+SHOW_ENV = """
+    import json, os
+    seen = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES",
+                                       "CREW_HOST", "MASTER_ADDR")}
+    json.dump(seen, open(f"rank{os.environ['RANK']}.json", "w"))
+"""
 
 def ssh_run(cluster, *args, **kwargs):
     return crew("run", "--ssh_args", cluster.ssh_args, *args, **kwargs)
@@ -59,9 +66,9 @@ def test_extended_hostfile_with_ports_and_device_ids(cluster, job_dir):
 
 
 def test_include_selects_hosts_and_devices(cluster, job_dir):
-    write_script(job_dir, "reduce.py", ALL_REDUCE)
+    write_script(job_dir, "show.py", SHOW_ENV)
     result = ssh_run(cluster, "-H", str(cluster.hostfile(slots=2)),
-                     "--include", "127.0.0.2:1@127.0.0.3", "reduce.py", cwd=job_dir)
+                     "--include", "127.0.0.2:1@127.0.0.3", "show.py", cwd=job_dir)
     assert result.code == 0, result.err
     seen = ranks(job_dir, 3)
     assert [(s["CREW_HOST"], s["CUDA_VISIBLE_DEVICES"]) for s in seen] == [
