@@ -11,6 +11,8 @@ import sys
 import traceback
 from pathlib import Path
 
+import torch.distributed as dist
+
 RANK_LINE = re.compile(r"\[[^\]]+:(\d+)\] (.*)")  # a line of crew run's output
 RUN_LINE = re.compile(r"run (\S+) on rank \d+")
 
@@ -29,8 +31,6 @@ def main() -> None:
             print(f"run {name} failed on rank {rank}", flush=True)
             traceback.print_exc()
             sys.stderr.flush()
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.barrier()  # the next run starts on every rank after this one has ended on every rank
 
