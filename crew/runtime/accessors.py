@@ -86,9 +86,8 @@ class DeepSpeedAccessors:
 
     @property
     def communication_data_type(self) -> torch.dtype:
-        """The config's communication_data_type, else fp16/bf16 when enabled, else float32.
-        (crew reduces fp16/bf16 gradients in their own dtype at stages 0-2 and in fp32 at 3,
-        whatever this says.)"""
+        """The config's communication_data_type, else fp16/bf16 when enabled, else float32. Stage 3
+        reduces gradients in it (set at initialize); stages 0-2 in the model's dtype."""
         if self._communication_data_type is not None:
             return self._communication_data_type
         given = self.crew_config.raw.get("communication_data_type")

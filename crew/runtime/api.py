@@ -45,6 +45,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         _attach_loader(engine.balancer, loader, resolved.source)
     engine.log_batch_math(len(loader) if loader is not None else None)
     no_effect = ignored_keys(resolved) + engine.zero.no_effect_keys()
+    if "communication_data_type" in resolved.raw and not engine.zero.shards_params:
+        no_effect.append("communication_data_type")  # stages 0-2 reduce in the model's dtype
     if no_effect:
         log_rank0("config keys accepted, but with no effect in crew: %s", ", ".join(no_effect))
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -308,12 +308,13 @@ class _BatchKeys(BaseModel):
 
 # Known keys, per level: (what crew implements, what only DeepSpeed reads). The second set is accepted
 # without a warning and reported by ignored_keys(); move a key across when crew starts using it.
-# data_types is read from the raw config (crew/runtime/casting.py, the engine's get_data_types)
+# data_types is read from the raw config (crew/runtime/casting.py, the engine's get_data_types), and
+# communication_data_type (the engine's property; stage 3 reduces in it)
 _TOP_KEYS = (frozenset(Config.model_fields) - {"world_size", "source", "raw", "auto_balance"}
-             | {"bfloat16", "data_types"})
+             | {"bfloat16", "data_types", "communication_data_type"})
 _DEEPSPEED_ONLY = frozenset({
     "aio", "allgather_size", "amp", "autotuning", "comet",
-    "comms_logger", "communication_data_type", "compile", "compression_training",
+    "comms_logger", "compile", "compression_training",
     "curriculum_learning", "data_efficiency", "data_parallel_size", "datastates_ckpt",
     "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
     "flops_profiler", "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level",
@@ -347,6 +348,9 @@ _TYPED_NO_EFFECT = {"prescale_gradients": False, "gradient_predivide_factor": 1.
 _ZERO_IMPLEMENTED = frozenset({"stage", "reduce_bucket_size", "use_multi_rank_bucket_allreduce", "offload_optimizer",
                                "offload_param", "wrap",
                                "mics_shard_size", "zero_hpz_partition_size",
+                               "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                               "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                               "stage3_model_persistence_threshold",
                                "stage3_gather_16bit_weights_on_model_save",
                                "stage3_gather_fp16_weights_on_model_save"})
 _BF16_KEYS = (frozenset(BF16Config.model_fields), frozenset({

@@ -122,7 +122,7 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
         dtype = getattr(self.precision, "dtype", torch.float32)
         casting.cast_buffers(model, dtype, self.crew_config.raw.get("data_types"))  # every stage: never partitioned
         if self.zero.shards_params:
-            replaced = self.zero.shard(model, self.precision.sharded_compute_dtype)
+            replaced = self.zero.shard(model, self.precision.sharded_compute_dtype, self.communication_data_type)
             self.precision.cast_module(model)  # checks the dtype's kernels; FSDP2 does the casting
             return model, replaced
         self.zero.make_whole(model)
@@ -218,6 +218,7 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
         self.optimizer.overflow = bool(overflow)
         if not overflow:
             self._clip_and_record_norm(_flat(self.optimizer.param_groups))  # norm before clipping
+            self.zero.before_step()
             self.optimizer.step()
             self.precision.copy_master_to_model()
             if self.lr_scheduler is not None:

@@ -67,7 +67,10 @@ CONFIGS = {
 # ZeRO-3 as accelerate's deepspeed_with_config_support.py runs it (zero3_init_flag, get_state_dict for
 # save_pretrained on every rank): the model is sharded, the rest as at stage 2
 CONFIGS[3] = {**CONFIGS[2], "zero_optimization": {**CONFIGS[2]["zero_optimization"], "stage": 3,
-                                                  "stage3_gather_16bit_weights_on_model_save": True}}
+                                                  "stage3_gather_16bit_weights_on_model_save": True,
+                                                  # the weights sharded, the biases and norms whole (the default,
+                                                  # 1e5 elements, keeps all of this small model's whole)
+                                                  "stage3_param_persistence_threshold": 100}}
 # The lr each of the 6 steps used. Stage 1: DeepSpeed's WarmupDecayLR as Accelerate fills it (min 0, max the
 # DummyOptim's 0.01, warmup 2 steps, total 6 / 2 processes), its log warmup at 0 for two steps. Stage 2:
 # transformers' linear schedule, which Accelerate steps once per process at each optimizer step.

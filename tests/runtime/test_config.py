@@ -353,7 +353,7 @@ DEEPSPEED_ONLY = [
     ("flops_profiler", {"enabled": False}),
     ("timers", {"throughput": {"enabled": True}}),
     ("comms_logger", {"enabled": False}), ("aio", {"block_size": 1048576}), ("autotuning", {"enabled": False}),
-    ("amp", {"enabled": False}), ("communication_data_type", "fp32"), ("elasticity", {"enabled": False}),
+    ("amp", {"enabled": False}), ("elasticity", {"enabled": False}),
     ("compression_training", {}), ("data_efficiency", {"enabled": False}), ("sparse_attention", {"mode": "fixed"}),
     ("pipeline", {"stages": "auto"}), ("comet", {"enabled": False}),
     ("zero_allow_untested_optimizer", True), ("memory_breakdown", False), ("torch_autocast", {"enabled": False}),
@@ -370,11 +370,11 @@ def test_ignored_keys_inside_sections_in_the_users_order(no_warnings):
     data = {"flops_profiler": {}, MB: 1, "fp16": {"enabled": True, "fused_mode": True},
             "bf16": {"immediate_grad_update": True},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
-                                  "stage3_prefetch_bucket_size": 5},
+                                  "sub_group_size": 5},
             "activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": False}}
     assert ignored_keys(Config.from_dict(data, world_size=1)) == [
         "flops_profiler", "fp16.fused_mode", "bf16.immediate_grad_update",
-        "zero_optimization.stage3_prefetch_bucket_size",  # offload_optimizer: crew/runtime/zero/ reads it
+        "zero_optimization.sub_group_size",  # offload_optimizer: crew/runtime/zero/ reads it
         "activation_checkpointing.partition_activations"]  # deepspeed.checkpointing reads the rest
 
 
@@ -394,8 +394,8 @@ def test_auto_elsewhere_warns_and_keeps_the_default(patch, key, field):
 
 
 def test_auto_in_keys_crew_does_not_implement_is_left_alone(no_warnings):
-    config = Config.from_dict({MB: 1, "zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": "auto"}}, 1)
-    assert config.zero_optimization.model_extra == {"stage3_prefetch_bucket_size": "auto"}
+    config = Config.from_dict({MB: 1, "zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}}, 1)
+    assert config.zero_optimization.model_extra == {"allgather_bucket_size": "auto"}
 
 
 # --- the user's dict ------------------------------------------------------------------------------

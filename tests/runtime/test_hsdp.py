@@ -38,7 +38,8 @@ TRAIN = """
         data = torch.randn(64, 16)
         config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                   "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-                  "zero_optimization": {"stage": 3, **section}}
+                  # every parameter sharded (these are all under stage3_param_persistence_threshold)
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **section}}
         engine, _, _, _ = crew.initialize(model=model, model_parameters=model.parameters(), config=config)
         rank, losses = dist.get_rank(), []
         for step in range(1, STEPS + 1):

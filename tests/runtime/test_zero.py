@@ -17,11 +17,16 @@ def make_model(blocks: int = 4, width: int = 16) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
+# This file's models are small enough for DeepSpeed's stage3_param_persistence_threshold (1e5 elements) to keep
+# every parameter whole: at 0 stage 3 shards them all (test_zero_comm3.py tests the whole ones).
+SHARD_ALL = {"stage3_param_persistence_threshold": 0}
+
+
 def config(stage: int, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
             "gradient_clipping": 0.5, "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": stage}, **extra}
+            "zero_optimization": {"stage": stage, **(SHARD_ALL if stage == 3 else {})}, **extra}
 
 
 def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -373,7 +378,11 @@ def tracked_bytes_per_param(rank: int, stage: int) -> float:
     model = make_model(MEMORY_BLOCKS, MEMORY_WIDTH)
     count = sum(p.numel() for p in model.parameters())
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "steps_per_print": 1000,
-                 "zero_optimization": {"stage": stage, **({"reduce_bucket_size": 4096} if stage == 2 else {})}}
+                 "zero_optimization": {"stage": stage, **({"reduce_bucket_size": 4096} if stage == 2 else {}),
+                                       # each unit sharded again after its forward and none fetched ahead (the
+                                       # defaults keep a small model whole until its backward, as DeepSpeed's)
+                                       **({"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
+                                           **SHARD_ALL} if stage == 3 else {})}}
     if stage == 1:  # its all-gather of the updated parameters holds as many elements (the model, by default)
         ds_config["zero_optimization"]["reduce_bucket_size"] = 4096
     # AdamW one tensor at a time: the foreach kernels' scratch (another 1/N of the params) is no model state
@@ -628,11 +637,11 @@ def test_no_effect_keys_are_listed_once_at_start(capsys):
 
     ds_config = config(3)
     ds_config["zero_optimization"].update(overlap_comm=True, reduce_bucket_size=5e7,
-                                          stage3_prefetch_bucket_size=5e7)
+                                          stage3_module_granularity_threshold=100)
     crew.initialize(model=make_model(), config=ds_config)
     lines = [line for line in capsys.readouterr().out.splitlines() if "no effect" in line]
     assert len(lines) == 1
-    for key in ("overlap_comm", "stage3_prefetch_bucket_size", "reduce_bucket_size"):
+    for key in ("overlap_comm", "stage3_module_granularity_threshold", "reduce_bucket_size"):
         assert f"zero_optimization.{key}" in lines[0]
 
 

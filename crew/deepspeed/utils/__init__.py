@@ -26,11 +26,13 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "device_mesh") and hasattr(tensor, "full_tensor")
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """Whole, fp32, detached; a sharded (stages 2-3) tensor is gathered: a collective."""
+def _full(tensor: torch.Tensor, of: torch.Tensor | None = None) -> torch.Tensor:
+    """Whole, fp32, detached; a sharded (stages 2-3) tensor is gathered: a collective. A new tensor for a stage-3
+    parameter `of` kept whole (ds_persist), as DeepSpeed's stage 3 gives its whole parameters' values."""
     if _is_dtensor(tensor):
-        tensor = tensor.full_tensor()
-    return tensor.detach().float()
+        return tensor.full_tensor().detach().float()
+    whole = tensor.detach().float()
+    return whole.clone() if getattr(of, "ds_persist", False) else whole
 
 
 def _engine_of(param: torch.Tensor):
@@ -56,7 +58,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     if fetch is not None:
         master = fetch(param)
         return master if master is not None else param.detach().float()
-    return _full(engine.precision.master_of(param) if engine is not None else param)
+    return _full(engine.precision.master_of(param) if engine is not None else param, of=param)
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -72,6 +74,6 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     grad = master.grad if master is not param and master.grad is not None else param.grad
     if grad is None:
         return None
-    full = _full(grad)
+    full = _full(grad, of=param)
     scale = engine.precision.loss_scale if engine is not None and grad is param.grad else 1.0
     return full / scale if scale not in (None, 1.0) else full

@@ -39,7 +39,7 @@ import torch
 
 from crew.errors import ConfigError
 from crew.log import log_rank0
-from crew.runtime.zero import adopt, hsdp, partition_parameters, stage3
+from crew.runtime.zero import adopt, fetching, hsdp, partition_parameters, persistence, stage3
 from crew.runtime.zero.gather import GatheredParameters
 from crew.runtime.zero.partition_parameters import (Init, ZeroParamStatus, ZeroParamType,
                                                     register_external_parameter, unregister_external_parameter)
@@ -72,7 +72,11 @@ class Zero:
         self.grads = None  # stage 2 on more than one rank: its stage2.GradientPartition
         self.partitioned = False  # the optimizer is stage2.py's (each rank holds its owned masters and grads)
         self.shard_group = hsdp.group_size(extra, world_size) if self.stage == 3 else None  # MiCS / hpZ
-        self._hsdp_no_effect = hsdp.no_effect(extra) if self.stage < 3 else []
+        self.fetch = fetching.policy(extra) if self.stage == 3 else None
+        self.persistent_grads = None  # stage 3: the whole small parameters' gradients (persistence.py)
+        # stage 3's own keys, set at stages 0-2 (where DeepSpeed ignores them too)
+        self._stage3_keys_set = [] if self.stage == 3 else hsdp.no_effect(extra) + [
+            f"zero_optimization.{key}" for key in fetching.DEFAULTS if key in extra]
         self._sharded: torch.nn.Module | None = None  # stage 3: the model shard() wrapped
 
     @property
@@ -84,7 +88,7 @@ class Zero:
         """Implemented keys that do nothing at this stage (on top of config.ignored_keys)."""
         if self.stage == 3 and self.bucket_elements is not None:
             return [f"zero_optimization.{key}" for key in _BUCKET_KEYS]
-        return self._hsdp_no_effect
+        return self._stage3_keys_set
 
     # -- the model ---------------------------------------------------------------------------
 
@@ -109,15 +113,21 @@ class Zero:
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True,
                                        bucket_cap_mb=elements * size / 2**20)
 
-    def shard(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
-        """Stage 3: fully_shard the model's units and its root, in place (stage3.py). Returns {id(old
-        param): new}, so that parameter lists taken before sharding can be pointed at the new ones."""
+    def shard(self, model: torch.nn.Module, compute_dtype: torch.dtype | None,
+              reduce_dtype: torch.dtype) -> dict[int, torch.nn.Parameter]:
+        """Stage 3: fully_shard the model's units and its root, in place (stage3.py), gathering parameters in
+        `compute_dtype` and reducing gradients in `reduce_dtype`. Returns {id(old param): new}, so that
+        parameter lists taken before sharding can be pointed at the new ones."""
         self._sharded = model
         if adopt.is_sharded(model):  # an earlier engine's (Lightning's fit, then test): taken as it is
             adopt.restore_hooks(model)
+            whole = [p for p in model.parameters() if getattr(p, "ds_persist", False)]
+            self.persistent_grads = persistence.PersistentGrads(whole, reduce_dtype)
             return {}
-        replaced = stage3.shard(model, hsdp.mesh(self.device, self.world_size, self.shard_group), self.device,
-                                self.wrap_rule, compute_dtype, self.offload, self.stage)
+        replaced, whole = stage3.shard(model, hsdp.mesh(self.device, self.world_size, self.shard_group),
+                                       self.device, self.wrap_rule, compute_dtype, reduce_dtype, self.offload,
+                                       self.stage, self.fetch)
+        self.persistent_grads = persistence.PersistentGrads(whole, reduce_dtype)
         adopt.remember_hooks(model)
         return replaced
 
@@ -177,9 +187,18 @@ class Zero:
                 f"optimizer_class={cls.__name__}, ...), which failed: {exc}. Use a torch.optim "
                 "optimizer, or stage 0 or 3.") from None
 
+    def before_step(self) -> None:
+        """Stage 3: a unit left whole by a forward that had no backward goes back to its shards before the
+        optimizer changes them (else the next forward would use the stale whole copy)."""
+        if self._sharded is not None:
+            fetching.reshard_all(self._sharded)
+
     def reducing(self, boundary: bool) -> contextlib.AbstractContextManager:
         """Around a backward: at stage 2 its gradients are averaged into their owners, and on the
-        accumulation boundary become the owned parameters' .grad."""
+        accumulation boundary become the owned parameters' .grad; at stage 3 the whole parameters' gradients
+        are averaged on the boundary."""
+        if self.persistent_grads is not None:
+            return self.persistent_grads.reducing(boundary)
         return self.grads.reducing(boundary) if self.grads is not None else contextlib.nullcontext()
 
 

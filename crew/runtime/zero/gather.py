@@ -44,6 +44,7 @@ class GatheredParameters:
         self.params: list[torch.nn.Parameter] = []
         self._placeholders: list[torch.nn.Parameter] = []
         self._shards: list[torch.nn.Parameter] = []
+        self._persistent: list[torch.nn.Parameter] = []
         if not enabled:
             return
         given = [params] if isinstance(params, torch.Tensor) else list(params or [])
@@ -59,6 +60,9 @@ class GatheredParameters:
         # a parameter already whole (an enclosing block) is left to that block
         self._placeholders = [p for p in self.params if pp.is_partitioned(p)]
         self._shards = [p for p in self.params if is_shard(p)]
+        # stage 3's small parameters are whole already (persistence.py); the modifier's changes are kept
+        self._persistent = [p for p in self.params if getattr(p, "ds_persist", False) and not is_shard(p)
+                            and not pp.is_partitioned(p)]
         pp.gather(self._placeholders)
         for param in self._shards:
             view_whole(param)
@@ -73,7 +77,11 @@ class GatheredParameters:
             pp.partition(self._placeholders, source=source)
         for param in self._shards:
             end_whole_view(param, source)
-        self._placeholders, self._shards = [], []
+        if source is not None and comm.get_world_size() > 1:
+            with torch.no_grad():
+                for param in self._persistent:
+                    comm.broadcast(param.data, source)
+        self._placeholders, self._shards, self._persistent = [], [], []
 
 
 # -- FSDP2 shards seen whole --------------------------------------------------------------------

@@ -6,10 +6,10 @@ TRL's `unwrap_model_for_generation` (GRPO, RLOO, PPO, GKD at ZeRO-3) generates i
 and adds them back (`param_coordinator._invalidate_trace()`, `_register_deepspeed_module(module)`), so that
 the whole model stays gathered through every forward of the generation instead of being fetched and
 released module by module. On FSDP2 those hooks are the units' unshard-before / reshard-after forward:
-removing them unshards every unit and keeps it whole; registering them again reshards every unit and
-turns resharding after forward back on. While the units are whole, GatheredParameters' copies of the shards
-share the units' tensors, so the model is whole once on a rank, not twice. The names are DeepSpeed 0.19.8's
-(runtime/zero/parameter_offload.py, partitioned_param_coordinator.py).
+removing them unshards every unit and keeps it whole (no forward reshards it, fetching.py); registering them
+again reshards every unit and gives each back its reshard-after-forward. While the units are whole,
+GatheredParameters' copies of the shards share the units' tensors, so the model is whole once on a rank, not
+twice. The names are DeepSpeed 0.19.8's (runtime/zero/parameter_offload.py, partitioned_param_coordinator.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from enum import Enum
 
 import torch
 
-from crew.runtime.zero import gather, stage3
+from crew.runtime.zero import fetching, gather, stage3
 
 
 class ZeRoTraceMode(Enum):
@@ -78,9 +78,11 @@ class DeepSpeedZeRoOffload:
         """Hooks back on `module`'s units: each is resharded now and after every forward from now on."""
         if module is self.module and not self.param_coordinator.is_invalid_trace():
             self.param_coordinator._invalidate_trace()
+        if module is self.module:
+            fetching.state(module).held = False
         for unit in _units(module):
             _own_copies(unit)
-            unit.set_reshard_after_forward(True, recurse=False)
+            unit.set_reshard_after_forward(fetching.reshards_after_forward(self.module, unit), recurse=False)
             unit.reshard()
         if module is self.module:
             self._whole = False
@@ -90,6 +92,7 @@ class DeepSpeedZeRoOffload:
         if self._whole:
             return
         self._whole = True
+        fetching.state(self.module).held = True
         root = getattr(self.module, "_get_fsdp_state", None)
         if root is not None:
             root()._lazy_init()  # generation can come before the first forward, which would do it

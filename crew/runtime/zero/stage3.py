@@ -28,50 +28,69 @@ import torch
 
 from crew.errors import ConfigError, CrewError
 from crew.log import log_rank0
-from crew.runtime.zero import external, gather
+from crew.runtime.zero import external, fetching, gather, persistence
 from crew.runtime.zero import partition_parameters as pp
 
 
 def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute_dtype: torch.dtype | None,
-          offload: dict | None, stage: int) -> dict[int, torch.nn.Parameter]:
-    """fully_shard the units and the root over `mesh` (1-D, or 2-D for HSDP), in place. Returns {id(old param):
-    new} so that parameter lists taken before sharding can be pointed at the sharded parameters."""
+          reduce_dtype: torch.dtype, offload: dict | None, stage: int,
+          fetch: fetching.FetchPolicy) -> tuple[dict[int, torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """fully_shard the units and the root over `mesh` (1-D, or 2-D for HSDP), in place, gathering in
+    `compute_dtype` and reducing gradients in `reduce_dtype`; the small parameters stay whole (persistence.py).
+    Returns {id(old param): new}, so that parameter lists taken before sharding can be pointed at the sharded
+    parameters, and the parameters kept whole."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     before = list(model.named_parameters(remove_duplicate=False))
     ds_ids = {name: p.ds_id for name, p in before if pp.is_zero_param(p)}
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
-    if compute_dtype is not None:
+    if compute_dtype is not None or reduce_dtype != torch.float32:
         # inputs are not cast, as at stages 0-1 and in DeepSpeed: the same script runs at any stage
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                                                     cast_forward_inputs=False)
     if offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=offload["pin_memory"])
-    units = wrap_units(model, wrap_rule, keep_in_root=pp.external_parameters(model))
+    persistent = persistence.choose(model, fetch.persist_param, fetch.persist_model)
+    kept_whole = {id(p) for p in persistent}
+    options["ignored_params"] = set(persistent)
+    units = [unit for unit in wrap_units(model, wrap_rule, keep_in_root=pp.external_parameters(model))
+             if any(id(p) not in kept_whole for p in unit.parameters())]
+    made_whole: set[int] = set()
     for module in [*units, model]:
-        old = _made_whole(module, device)
+        old = _made_whole(module, device, made_whole)
         fully_shard(module, **options)
         for param in old:
-            pp.forget(param)  # FSDP2 copied its shard: free the whole tensor, even if the caller holds it
+            if id(param) not in kept_whole:
+                pp.forget(param)  # FSDP2 copied its shard: free the whole tensor, even if the caller holds it
     current = dict(model.named_parameters(remove_duplicate=False))
     for name, param in current.items():
-        _mark_partitioned(param, ds_ids.get(name), compute_dtype)
+        if id(param) in kept_whole:
+            persistence.mark(param, ds_ids.get(name, param.__dict__.get("ds_id")) or next(pp._next_id))
+        else:
+            _mark_partitioned(param, ds_ids.get(name), compute_dtype)
+    if compute_dtype is not None:
+        persistence.cast_in_forward(model, persistent, compute_dtype)
     _see_whole_outside_forward(model)
     _tag_whole_in_forward(model)
     external.fetch_on_access(model, units)
+    fetching.install(model, units, fetch)
     for module in model.modules():
         module.ds_external_parameters = types.MethodType(_external_items, module)
     model.register_state_dict_post_hook(_placeholders)
     where = (f"{mesh.size()} ranks" if mesh.ndim == 1 else
              f"groups of {mesh.size(1)} ranks, replicated {mesh.size(0)} times (HSDP)")
-    log_rank0("ZeRO stage %d: fully_shard within %s, %d wrapped units (+ root)%s",
-              stage, where, len(units), ", CPU offload" if offload else "")
-    return {id(p): current[name] for name, p in before if name in current}
+    log_rank0("ZeRO stage %d: fully_shard within %s, %d wrapped units (+ root)%s, gradients reduced in %s; %d "
+              "parameters of at most %d elements (%d in all) whole on every rank (stage3_param_persistence_threshold)",
+              stage, where, len(units), ", CPU offload" if offload else "", str(reduce_dtype).split(".")[-1],
+              len(persistent), fetch.persist_param, sum(p.numel() for p in persistent))
+    return {id(p): current[name] for name, p in before if name in current}, persistent
 
 
-def _made_whole(module: torch.nn.Module, device: torch.device) -> list[torch.nn.Parameter]:
-    """The module's parameters not sharded yet, whole and on `device` (gathered if zero.Init split them)."""
-    params = [p for p in dict.fromkeys(module.parameters()) if not gather.is_shard(p)]
+def _made_whole(module: torch.nn.Module, device: torch.device, done: set[int]) -> list[torch.nn.Parameter]:
+    """The module's parameters not sharded yet, whole and on `device` (gathered if zero.Init split them), but
+    those in `done` (made whole already, as part of a unit); `done` takes the others."""
+    params = [p for p in dict.fromkeys(module.parameters()) if not gather.is_shard(p) and id(p) not in done]
+    done.update(id(p) for p in params)
     split = [p for p in params if pp.is_partitioned(p)]
     built_whole = [p for p in params if not pp.is_partitioned(p)]
     pp.gather(split)

@@ -131,13 +131,22 @@ def run(label, base):
               "margins": [h.get("rewards/margins") for h in history],
               "moved": max((after[n] - before[n]).abs().max().item() for n in after),
               "ref_model": type(getattr(trainer, "ref_model", None)).__name__,
-              "status_after": sorted({str(getattr(p, "ds_status", None)) for p in trainer.model.parameters()})}
+              "status_after": statuses(trainer.model)}
     if label == "grpo-zero3":
         result["whole_while_generating"] = whole_while_generating(trainer)
-        result["status_after_generating"] = sorted({str(p.ds_status) for p in trainer.model.parameters()})
+        result["status_after_generating"] = statuses(trainer.model)
     saved = weights(AutoModelForCausalLM.from_pretrained(f"{folder}/final"))  # under zero.Init at ZeRO-3
     result["saved_diff"] = max((saved[n] - after[n]).abs().max().item() for n in after)
     return result
+
+
+def statuses(model) -> dict:
+    """The ds_status values of the persistent (ds_persist: small, never partitioned) parameters and the others."""
+    found = {"persistent": set(), "partitioned": set()}
+    for param in model.parameters():
+        found["persistent" if getattr(param, "ds_persist", False) else "partitioned"].add(
+            str(getattr(param, "ds_status", None)))
+    return {kind: sorted(values) for kind, values in found.items()}
 
 
 base = f"{cli.out}/base"

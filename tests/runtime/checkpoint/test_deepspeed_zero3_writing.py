@@ -79,11 +79,13 @@ ADAGRAD_OFFLOAD = {"optimizer": {"type": "Adagrad", "params": {"lr": 0.05, "weig
                    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
 
 
-def _train_fixture_case(name: str):
+def _train_fixture_case(name: str, **zero):
     import crew
     precision = made.CASES[name][1]
     model, params = made.case_model(name, seed=0)
-    engine, _, _, _ = crew.initialize(model=model, model_parameters=params, config=made.case_config(name))
+    config = made.case_config(name)
+    config["zero_optimization"] = {**config["zero_optimization"], **zero}
+    engine, _, _, _ = crew.initialize(model=model, model_parameters=params, config=config)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     for step in range(made.K_STEPS):
@@ -175,7 +177,7 @@ def _live(engine) -> tuple[dict, dict]:
     """The engine's fp32 weights and optimizer state by parameter name, whole (collectives)."""
     weights, state = {}, {}
     for name, param in engine.module.named_parameters():
-        weights[name] = param.full_tensor().detach().clone()
+        weights[name] = (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
         entry = engine.optimizer.state.get(param)
         if entry:
             state[name] = {key: value.full_tensor().clone() if hasattr(value, "full_tensor") else value.clone()
@@ -189,7 +191,9 @@ def _save_all(rank: int) -> list[dict]:
     frozen_tied, loaded = _train_frozen_tied()
     engines = [(name, _train_fixture_case(name)) for name in CASES] + [("tied", tied), ("frozen_tied", frozen_tied)]
     out = []
-    engines += [("adagrad", _train_adagrad_offload()), ("fp16", _train_fp16()), ("hsdp", _train_hsdp())]
+    engines += [("adagrad", _train_adagrad_offload()), ("fp16", _train_fp16()), ("hsdp", _train_hsdp()),
+                # every parameter sharded, not whole (they are all under stage3_param_persistence_threshold)
+                ("lora_sharded", _train_fixture_case("lora_stage3", stage3_param_persistence_threshold=0))]
     for name, engine in engines:
         weights, state = _live(engine)
         out.append({"name": name, "model": zero3_model_states(engine, exclude_frozen=False),
@@ -287,11 +291,11 @@ def write_tag(folder: Path, results: list[dict], optim_name: str, exclude_frozen
 def test_rows_that_divide_evenly_are_taken_from_the_shard_without_a_gather(saved):
     """FSDP2's rows are DeepSpeed's slice where they divide evenly over the ranks: LoRA's A matrices (2 rows) are
     written from the local shard, the rest gathered; test_the_files_hold... checks both against DeepSpeed's."""
-    assert saved["lora_stage3"][0]["not_gathered"] == ["fc1_lora_a.weight", "fc2_lora_a.weight"]
+    assert saved["lora_sharded"][0]["not_gathered"] == ["fc1_lora_a.weight", "fc2_lora_a.weight"]
     assert saved["stage3_fp32"][0]["not_gathered"] == []
 
 
-@pytest.mark.parametrize("name", [*CASES, "tied", "hsdp"])
+@pytest.mark.parametrize("name", [*CASES, "tied", "hsdp", "lora_sharded"])
 def test_crews_reader_gives_the_live_engines_weights_and_optimizer_state(saved, name, tmp_path):
     from crew.runtime.checkpoint import deepspeed_format
     prefix = "bf16_" if name in CASES and EXPECTED["cases"][name]["precision"] == "bf16" else ""
