@@ -72,6 +72,10 @@ def train(run: dict, args, inputs: torch.Tensor, targets: torch.Tensor) -> list[
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config, enabled=run["stage"] == 3 and run.get("zero_init", True)):
         model = make_model(args.width, args.blocks)
+    if run.get("bf16_init"):  # the masters DeepSpeed makes: from the model cast to bf16
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.bfloat16())
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses = []
     try:
@@ -96,7 +100,8 @@ def train(run: dict, args, inputs: torch.Tensor, targets: torch.Tensor) -> list[
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=0)
-    parser.add_argument("--runs", required=True, help="JSON list of {stage, dtype, comm, zero_init, accum, zero}")
+    parser.add_argument("--runs", required=True,
+                        help="JSON list of {stage, dtype, comm, zero_init, accum, bf16_init, zero}")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ga", type=int, default=2)
     parser.add_argument("--width", type=int, default=256)

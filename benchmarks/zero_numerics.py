@@ -12,8 +12,11 @@ It runs under `crew run --as_deepspeed` and, where DeepSpeed's venv exists, unde
 (`bf16 noinit`: DeepSpeed's zero.Init under bf16 creates the parameters in bf16, so their random init is
 drawn in bf16 and differs from fp32's; crew's keeps the dtype the model is built in), and that with
 "data_types": {"grad_accum_dtype": "fp32"} (`acc fp32`: DeepSpeed's stage 3 then accumulates the gradients of
-the micro steps in fp32, by default in bf16; crew reads the key but does not act on it). A configuration that
-fails reads FAILED with its error.
+the micro steps in fp32, by default in bf16; crew reads the key but does not act on it), and bf16 outside
+zero.Init from weights rounded to bf16 before deepspeed.initialize (`bf16 init`: DeepSpeed casts the model to
+bf16 and makes its fp32 masters from that, at every stage, as crew does at stages 1-2; crew's stage 3 keeps the
+model's fp32 weights as its masters, so its bf16 curve starts from unrounded masters; with this run both start
+from the same masters). A configuration that fails reads FAILED with its error.
 
 The loss of an optimizer step is the mean over its micro steps and the ranks (fp32). Deviation of a curve a
 from a reference b: |a - b| / |b| per optimizer step; `step 0` is the first step's (the forward alone: init
@@ -49,12 +52,13 @@ def runs_of(stage: int) -> list[dict]:
     runs = [{"stage": stage, "dtype": "fp32"}, {"stage": stage, "dtype": "bf16"},
             {"stage": stage, "dtype": "bf16", "comm": "fp32"}]
     noinit = {"stage": stage, "dtype": "bf16", "zero_init": False}
-    return runs + ([noinit, {**noinit, "accum": "fp32"}] if stage == 3 else [])
+    return runs + ([noinit, {**noinit, "accum": "fp32"}, {**noinit, "bf16_init": True}] if stage == 3 else [])
 
 
 def label(run: dict) -> str:
     return run["dtype"] + (f" comm {run['comm']}" if run.get("comm") else "") + \
-        (" noinit" if run.get("zero_init") is False else "") + (f" acc {run['accum']}" if run.get("accum") else "")
+        (" noinit" if run.get("zero_init") is False else "") + (f" acc {run['accum']}" if run.get("accum") else "") + \
+        (" bf16 init" if run.get("bf16_init") else "")
 
 
 def command(library: str, runs: list[dict], tag: str, out: str, args) -> tuple[list[str], dict]:
