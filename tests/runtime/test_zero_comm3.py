@@ -95,13 +95,14 @@ def _train_with(rank: int, precision: str, accumulation: int, zero: dict) -> dic
     return train(rank, precision, accumulation, **zero)
 
 
-OLD = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}  # crew 0.1's stage 3: all
-# parameters sharded, each unit sharded again after its forward
+# crew 0.1's stage 3: all parameters sharded, each unit on its own and sharded again after its forward
+OLD = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
 RUNS = {
     "bf16": (_train_with, "bf16", 1, {}),
     "bf16_fp32_reduce": (_train_with, "bf16_fp32_reduce", 1, {}),
     "bf16_accumulation": (_train_with, "bf16", 2, {}),
     "fp32": (_train_with, "fp32", 1, {}),
+    "fp32_two_groups": (_train_with, "fp32", 1, {"stage3_prefetch_bucket_size": 2 * WIDTH * WIDTH + 2 * WIDTH}),
     "fp32_old": (_train_with, "fp32", 1, OLD),
     "bf16_old": (_train_with, "bf16_fp32_reduce", 1, OLD),
     "gathered": (gathered_write,),
@@ -144,22 +145,27 @@ def test_bf16_reduces_in_bf16_by_default_and_in_fp32_when_asked(runs):
         assert kinds["all_reduce"] == [(dtype, WHOLE + WHOLE_FLAGS), NORM], name  # the whole ones: one call
 
 
-def test_each_unit_is_gathered_once_per_micro_step_within_the_reuse_distance(runs):
-    for name, micro_steps in (("bf16", 1), ("bf16_accumulation", 2), ("fp32", 1)):
+def test_the_units_are_gathered_once_per_micro_step_in_groups_of_the_prefetch_bucket(runs):
+    # the default bucket (5e7 elements) holds all three blocks: one all-gather and one reduce-scatter per micro
+    # step; a bucket of two blocks makes two groups; the units stay whole for the backward (reuse distance)
+    for name, micro_steps, groups in (("bf16", 1, 1), ("bf16_accumulation", 2, 1), ("fp32", 1, 1),
+                                      ("fp32_two_groups", 1, 2)):
         kinds = _by_kind(runs[name][0]["calls"])
         gathers = kinds["all_gather_single"]
-        assert len(gathers) == BLOCKS * micro_steps, name  # forward only: kept whole for the backward
+        assert len(gathers) == groups * micro_steps, name
         assert sum(n for _, n in gathers) == SHARDED * micro_steps
-        assert len(kinds["reduce_scatter_single"]) == BLOCKS * micro_steps  # DeepSpeed's: every micro step
+        assert len(kinds["reduce_scatter_single"]) == groups * micro_steps  # DeepSpeed's: every micro step
         assert len(kinds["all_reduce"]) == 2  # the whole parameters' gradients at the boundary, and the norm
         assert "broadcast" not in kinds
     old = _by_kind(runs["fp32_old"][0]["calls"])
     assert len(old["all_gather_single"]) == 2 * BLOCKS + 1  # forward and backward, and the head's unit (root)
+    assert len(old["reduce_scatter_single"]) == BLOCKS + 1
 
 
 def test_the_new_traffic_trains_as_the_old(runs):
     for rank in range(2):
         assert runs["fp32"][rank]["losses"] == pytest.approx(runs["fp32_old"][rank]["losses"], rel=1e-5)
+        assert runs["fp32_two_groups"][rank]["losses"] == pytest.approx(runs["fp32"][rank]["losses"], rel=1e-5)
         # bf16 gradients on the wire instead of fp32: within bf16's own precision
         assert runs["bf16"][rank]["losses"] == pytest.approx(runs["bf16_old"][rank]["losses"], rel=2e-2)
 

@@ -80,18 +80,38 @@ def reshards_after_forward(model: torch.nn.Module, unit: torch.nn.Module) -> boo
     return unit is not model and id(unit) not in state(model).kept
 
 
-def install(model: torch.nn.Module, units: list[torch.nn.Module], rules: FetchPolicy) -> None:
-    """Record the first forward's order of `units` and the root's own modules, then apply `rules` to them."""
-    leaves = [m for m in _root_modules(model, units) if _numel(m, recurse=False)]
-    order: list[torch.nn.Module] = []
-    seen: set[int] = set()
+def grouped(units: list[torch.nn.Module], bucket: int) -> list[list[torch.nn.Module]]:
+    """Consecutive units gathered together, up to `bucket` elements a group (one unit alone when it is larger):
+    DeepSpeed fetches a module's parameters and prefetches the next ones in one all-gather up to
+    stage3_prefetch_bucket_size; one FSDP2 unit of several modules does the same in one call, and reduce-scatters
+    their gradients in one call too."""
+    groups: list[list[torch.nn.Module]] = []
+    size = 0
+    for unit in units:
+        numel = _numel(unit)
+        if groups and size + numel <= bucket:
+            groups[-1].append(unit)
+            size += numel
+        else:
+            groups.append([unit])
+            size = numel
+    return groups
 
-    def record(module, args):
-        if id(module) not in seen:
-            seen.add(id(module))
-            order.append(module)
 
-    handles = [module.register_forward_pre_hook(record) for module in [*units, *leaves]]
+def install(model: torch.nn.Module, groups: list[list[torch.nn.Module]], rules: FetchPolicy) -> None:
+    """Record the first forward's order of the unit `groups` and the root's own modules, then apply `rules`."""
+    members = [unit for group in groups for unit in group]
+    leaves = [m for m in _root_modules(model, members) if _numel(m, recurse=False)]
+    order: list[list[torch.nn.Module]] = []  # a group, or [leaf]
+
+    def recorder(entry):
+        def record(module, args):
+            if not any(entry is seen for seen in order):
+                order.append(entry)
+        return record
+
+    handles = [unit.register_forward_pre_hook(recorder(group)) for group in groups for unit in group]
+    handles += [leaf.register_forward_pre_hook(recorder([leaf])) for leaf in leaves]
 
     def first_forward_done(module, args, output):
         if not order:  # the forward did not run through the units (a part of the model called alone)
@@ -99,46 +119,50 @@ def install(model: torch.nn.Module, units: list[torch.nn.Module], rules: FetchPo
         for handle in handles:
             handle.remove()
         done.remove()
-        apply(model, order, {id(u) for u in units}, rules)
+        apply(model, order, [id(group) for group in groups], rules)
 
     done = model.register_forward_hook(first_forward_done)
     model.register_forward_hook(_reshard_without_backward)
 
 
-def apply(model: torch.nn.Module, order: list[torch.nn.Module], unit_ids: set[int], rules: FetchPolicy) -> None:
-    sizes = [_numel(module, recurse=id(module) in unit_ids) for module in order]
-    units = [(position, module) for position, module in enumerate(order) if id(module) in unit_ids]
-    kept = []
-    for position, unit in units:
-        between = 2 * sum(sizes[position + 1:])  # run after it in the forward, and again in the backward
-        if between < rules.max_reuse:
-            kept.append(unit)
-    state(model).kept = {id(unit) for unit in kept}
+def apply(model: torch.nn.Module, order: list[list[torch.nn.Module]], group_ids: list[int],
+          rules: FetchPolicy) -> None:
+    """`order`: the unit groups and the root's own modules ([leaf]) as the first forward ran them."""
+    is_group = [id(entry) in group_ids for entry in order]
+    sizes = [sum(_numel(m, recurse=group) for m in entry) for entry, group in zip(order, is_group)]
+    groups = [(position, entry) for position, (entry, group) in enumerate(zip(order, is_group)) if group]
+    kept = [entry for position, entry in groups
+            if 2 * sum(sizes[position + 1:]) < rules.max_reuse]  # run after it in the forward, again in the backward
+    state(model).kept = {id(unit) for group in kept for unit in group}
     if not state(model).held:
-        for unit in [model, *kept]:
+        for unit in [model, *(group[0] for group in kept)]:  # a group's modules share one FSDP2 state
             unit.set_reshard_after_forward(False, recurse=False)
-    root = sum(_numel(module, recurse=False) for module in _root_modules(model, [u for _, u in units]))
-    whole = root + sum(_numel(unit) for unit in kept)
-    forward = [unit for _, unit in units]
-    for index, unit in enumerate(forward):
-        budget = min(rules.prefetch_bucket, rules.max_live - whole - _numel(unit))
-        unit.set_modules_to_forward_prefetch(_ahead(forward[index + 1:], budget))
-        backward_ahead = [u for u in reversed(forward[:index]) if u not in kept]
+    whole = sum(size for size, group in zip(sizes, is_group) if not group) + sum(_size(g) for g in kept)
+    forward = [entry for _, entry in groups]
+    for index, group in enumerate(forward):
+        budget = min(rules.prefetch_bucket, rules.max_live - whole - _size(group))
+        group[0].set_modules_to_forward_prefetch([g[0] for g in _ahead(forward[index + 1:], budget)])
+        backward_ahead = [g for g in reversed(forward[:index]) if not any(g is k for k in kept)]
         if backward_ahead:  # an empty list would leave FSDP2's default (the next unit)
-            unit.set_modules_to_backward_prefetch(_ahead(backward_ahead, budget) or backward_ahead[:1])
-    log_rank0("ZeRO stage 3: %d of %d units stay whole from forward to backward (stage3_max_reuse_distance %.0e); "
-              "prefetch up to %.0e elements (stage3_prefetch_bucket_size)", len(kept), len(forward),
-              rules.max_reuse, rules.prefetch_bucket)
+            ahead = _ahead(backward_ahead, budget) or backward_ahead[:1]
+            group[0].set_modules_to_backward_prefetch([g[0] for g in ahead])
+    log_rank0("ZeRO stage 3: %d of %d unit groups stay whole from forward to backward (stage3_max_reuse_distance "
+              "%.0e); groups and prefetch up to %.0e elements (stage3_prefetch_bucket_size)", len(kept),
+              len(forward), rules.max_reuse, rules.prefetch_bucket)
 
 
-def _ahead(candidates: list[torch.nn.Module], budget: int) -> list[torch.nn.Module]:
-    """DeepSpeed's prefetch loop: take the next ones while fewer than `budget` elements are taken."""
+def _size(group: list[torch.nn.Module]) -> int:
+    return sum(_numel(unit) for unit in group)
+
+
+def _ahead(candidates: list[list[torch.nn.Module]], budget: int) -> list[list[torch.nn.Module]]:
+    """DeepSpeed's prefetch loop: take the next groups while fewer than `budget` elements are taken."""
     taken, elements = [], 0
-    for unit in candidates:
+    for group in candidates:
         if elements >= budget:
             break
-        taken.append(unit)
-        elements += _numel(unit)
+        taken.append(group)
+        elements += _size(group)
     return taken
 
 
@@ -164,4 +188,5 @@ def _root_modules(model: torch.nn.Module, units: list[torch.nn.Module]) -> list[
 
 
 def _numel(module: torch.nn.Module, recurse: bool = True) -> int:
-    return sum(param.numel() for param in module.parameters(recurse=recurse))
+    """Its parameters' elements, whole (zero.Init's placeholders and FSDP2's shards know their whole size)."""
+    return sum(getattr(param, "ds_numel", None) or param.numel() for param in module.parameters(recurse=recurse))

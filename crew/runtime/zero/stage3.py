@@ -55,10 +55,11 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
     options["ignored_params"] = set(persistent)
     units = [unit for unit in wrap_units(model, wrap_rule, keep_in_root=pp.external_parameters(model))
              if any(id(p) not in kept_whole for p in unit.parameters())]
+    groups = fetching.grouped(units, fetch.prefetch_bucket)
     made_whole: set[int] = set()
-    for module in [*units, model]:
-        old = _made_whole(module, device, made_whole)
-        fully_shard(module, **options)
+    for group in [*groups, [model]]:
+        old = [param for module in group for param in _made_whole(module, device, made_whole)]
+        fully_shard(group if len(group) > 1 else group[0], **options)
         for param in old:
             if id(param) not in kept_whole:
                 pp.forget(param)  # FSDP2 copied its shard: free the whole tensor, even if the caller holds it
@@ -73,16 +74,17 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
     _see_whole_outside_forward(model)
     _tag_whole_in_forward(model)
     external.fetch_on_access(model, units)
-    fetching.install(model, units, fetch)
+    fetching.install(model, groups, fetch)
     for module in model.modules():
         module.ds_external_parameters = types.MethodType(_external_items, module)
     model.register_state_dict_post_hook(_placeholders)
     where = (f"{mesh.size()} ranks" if mesh.ndim == 1 else
              f"groups of {mesh.size(1)} ranks, replicated {mesh.size(0)} times (HSDP)")
-    log_rank0("ZeRO stage %d: fully_shard within %s, %d wrapped units (+ root)%s, gradients reduced in %s; %d "
-              "parameters of at most %d elements (%d in all) whole on every rank (stage3_param_persistence_threshold)",
-              stage, where, len(units), ", CPU offload" if offload else "", str(reduce_dtype).split(".")[-1],
-              len(persistent), fetch.persist_param, sum(p.numel() for p in persistent))
+    log_rank0("ZeRO stage %d: fully_shard within %s, %d wrapped units in %d groups (+ root)%s, gradients reduced "
+              "in %s; %d parameters of at most %d elements (%d in all) whole on every rank "
+              "(stage3_param_persistence_threshold)", stage, where, len(units), len(groups),
+              ", CPU offload" if offload else "", str(reduce_dtype).split(".")[-1], len(persistent),
+              fetch.persist_param, sum(p.numel() for p in persistent))
     return {id(p): current[name] for name, p in before if name in current}, persistent
 
 
