@@ -7,9 +7,10 @@
     stage 2   whole parameters on every rank, as in DeepSpeed; each parameter's gradient, fp32 master
               (fp16/bf16) and optimizer state kept only by the rank that owns it (ZeroRedundancyOptimizer's
               split); gradients averaged into the owners on every micro step (stage2.py)
-    stage 3   FSDP2 fully_shard, reshard_after_forward=True: parameters sharded too, gathered one
-              wrapped unit at a time; with mics_shard_size / zero_hpz_partition_size G, sharded within
-              groups of G ranks and replicated across them (HSDP, hsdp.py)
+    stage 3   FSDP2 fully_shard: parameters sharded too, gathered a group of wrapped units at a time and
+              kept whole from forward to backward as DeepSpeed's stage3_* keys say (fetching.py), the small
+              ones whole on every rank (persistence.py); with mics_shard_size / zero_hpz_partition_size G,
+              sharded within groups of G ranks and replicated across them (HSDP, hsdp.py)
 
 At stages 0-2 `model.parameters()` and `model.state_dict()` are the whole, equal tensors on every rank.
 
@@ -20,7 +21,8 @@ top-level child; a list of class names wraps every module of those classes. The 
 wrapped last and holds whatever is left (embeddings, heads, tied weights).
 
 Under fp16/bf16 at stage 3 the sharded parameters stay fp32 (they are the master weights) and FSDP2's
-MixedPrecisionPolicy gathers them in the 16-bit dtype for compute; gradients are reduced in fp32.
+MixedPrecisionPolicy gathers them in the 16-bit dtype for compute; gradients are reduced in the communication
+dtype (DeepSpeed's communication_data_type: by default the 16-bit one).
 Gradients are reduce-scattered on every micro step, as DeepSpeed's stage 3 does, so accumulation
 holds only the gradient shard.
 

@@ -1,9 +1,11 @@
-"""Stage 3: FSDP2's fully_shard over the model's units, one unit at a time.
+"""Stage 3: FSDP2's fully_shard over the model's units, one unit group at a time.
 
 A unit's parameters are made whole just before it is sharded (gathered from the ranks' pieces when the model
 was built under zero.Init), and the whole copies are freed right after: no rank ever holds more than one unit
-whole. The sharded parameters carry DeepSpeed's attributes (`ds_id`, `ds_shape`, `ds_numel`, `ds_status`), so
-scripts that look for them (DeepSpeed-Chat, PEFT) see a ZeRO-3 model.
+group whole (consecutive units up to stage3_prefetch_bucket_size, sharded as one FSDP2 unit: fetching.py). The
+small parameters stay whole on every rank (persistence.py). The sharded parameters carry DeepSpeed's attributes
+(`ds_id`, `ds_shape`, `ds_numel`, `ds_status`), so scripts that look for them (DeepSpeed-Chat, PEFT) see a ZeRO-3
+model.
 
 A module called outside its unit's forward (HF `generate` helpers, `get_input_embeddings()(ids)`) would meet
 DTensor shards; a hook lets it see its parameters whole for that call, as DeepSpeed's hooks do. Such a call
