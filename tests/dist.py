@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.queues
 import os
 import pickle
 import tempfile
@@ -68,7 +69,8 @@ def _entry(fn, rank, world_size, port, args, results, environ):
         atexit._run_exitfuncs()  # a forked process ends in os._exit, which skips them
 
 
-def run_ranks(fn, world_size: int = 2, *args, timeout: float = 120.0) -> list:
+def _start(fn, world_size: int, args: tuple) -> tuple[list, multiprocessing.queues.Queue]:
+    """fn(rank, *args) started in `world_size` forked ranks; their results come back on the queue."""
     context = _context()
     results = context.Queue()
     port = free_port()
@@ -76,6 +78,11 @@ def run_ranks(fn, world_size: int = 2, *args, timeout: float = 120.0) -> list:
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
+    return procs, results
+
+
+def run_ranks(fn, world_size: int = 2, *args, timeout: float = 120.0) -> list:
+    procs, results = _start(fn, world_size, args)
     try:
         collected = {}
         for _ in range(world_size):
@@ -98,13 +105,7 @@ def run_until_one_dies(fn, world_size: int = 2, *args, timeout: float = 60.0) ->
     Each rank's exit code in rank order (negative: the signal that ended it), None where this killed it. What the
     ranks returned or raised is not read: once a rank is gone, its peers fail in their next collective, as they
     should; the caller asserts on what the ranks left behind."""
-    context = _context()
-    results = context.Queue()
-    port = free_port()
-    procs = [context.Process(target=_entry, args=(fn, rank, world_size, port, args, results, dict(os.environ)))
-             for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
+    procs, _ = _start(fn, world_size, args)
     deadline = time.monotonic() + timeout
     try:
         while not any(proc.exitcode for proc in procs) and any(proc.is_alive() for proc in procs):
