@@ -179,3 +179,15 @@ def test_gathered_parameters_keep_the_modifier_ranks_value_of_a_whole_parameter(
 def test_a_forward_without_gradients_leaves_every_unit_sharded(runs):
     for name in ("bf16", "fp32"):
         assert all(result["engine"]["resharded"] for result in runs[name])
+
+
+@pytest.mark.parametrize("key, value", [("stage3_max_reuse_distance", -1), ("stage3_prefetch_bucket_size", "5e7"),
+                                        ("stage3_param_persistence_threshold", 1.5),
+                                        ("stage3_max_live_parameters", float("inf")),
+                                        ("stage3_model_persistence_threshold", True)])
+def test_a_bad_value_names_the_key_and_the_default(key, value):
+    from crew.errors import ConfigError
+    from crew.runtime.zero import fetching
+    with pytest.raises(ConfigError, match=rf"zero_optimization.{key} is .*DeepSpeed's default is"):
+        fetching.policy({key: value})
+    assert fetching.policy({key: "auto"}) == fetching.FetchPolicy()  # unfilled "auto": DeepSpeed's default

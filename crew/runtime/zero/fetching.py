@@ -8,12 +8,14 @@ to `stage3_prefetch_bucket_size` elements, as long as no more than `stage3_max_l
 With the defaults (1e9, 1e9, 5e7) a model under 5e8 parameters is gathered once per micro step, in its forward,
 and stays whole until its backward; in a 7B model only the last blocks do.
 
-Here the same from FSDP2's own controls: the first forward records the order of the units (and of the root's own
-modules, which run between them); then each unit whose backward comes within the reuse distance (2 x the elements
-run after it: forward, then backward in reverse) is not resharded after forward (`set_reshard_after_forward`), the
-root neither (its parameters are the first the backward needs), and each unit prefetches the next units up to the
-bucket size (`set_modules_to_forward_prefetch`, `set_modules_to_backward_prefetch`). Until then (the first step)
-every unit is resharded after its forward, as DeepSpeed frees everything while its trace is incomplete.
+Here the same from FSDP2's own controls. Consecutive units up to the prefetch bucket are sharded as one FSDP2 unit
+(a group: one all-gather and one reduce-scatter for all, as DeepSpeed's fetch with its prefetch is one all-gather).
+The first forward records the order of the groups (and of the root's own modules, which run between them); then
+each group whose backward comes within the reuse distance (2 x the elements run after it: forward, then backward in
+reverse) is not resharded after forward (`set_reshard_after_forward`), the root neither (its parameters are the
+first the backward needs), and each group prefetches the next groups up to the bucket size
+(`set_modules_to_forward_prefetch`, `set_modules_to_backward_prefetch`). Until then (the first step) every unit is
+resharded after its forward, as DeepSpeed frees everything while its trace is incomplete.
 
 A forward under torch.no_grad (evaluation, generation) has no backward to reshard in: its units are resharded
 when it ends, so no whole unit outlives it (nor an optimizer step, which would leave the whole copy stale).
@@ -21,6 +23,7 @@ when it ends, so no whole unit outlives it (nor an optimizer step, which would l
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +57,8 @@ def policy(extra: dict[str, Any]) -> FetchPolicy:
 def _elements(key: str, value: Any) -> int:
     if value == "auto":  # left unfilled (Accelerate and transformers fill it from the model's hidden size)
         return DEFAULTS[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+            or value != int(value):
         raise ConfigError(f"zero_optimization.{key} is {value!r}: give a number of parameter elements >= 0 "
                           f"(DeepSpeed's default is {DEFAULTS[key]:.0e}), or leave it out.")
     return int(value)

@@ -96,28 +96,29 @@ class PersistentGrads:
     """The persistent parameters' gradients, averaged over the ranks at the accumulation boundary."""
 
     def __init__(self, params: list[torch.nn.Parameter], reduce_dtype: torch.dtype) -> None:
-        self.params = [p for p in params if p.requires_grad]
+        self.params = [p for p in params if p.is_floating_point()]
         self.reduce_dtype = reduce_dtype
 
     @contextlib.contextmanager
     def reducing(self, boundary: bool) -> Iterator[None]:
         yield
-        if boundary and self.params and dist.get_world_size() > 1:
-            self.reduce()
+        trainable = [p for p in self.params if p.requires_grad]  # now: PEFT and TRL freeze and unfreeze
+        if boundary and trainable and dist.get_world_size() > 1:
+            self.reduce(trainable)
 
     @torch.no_grad()
-    def reduce(self) -> None:
+    def reduce(self, params: list[torch.nn.Parameter]) -> None:
         """One all-reduce for all of them: the gradients (zeros where a rank has none) and a count of the ranks
         that had each; a gradient no rank had stays None."""
-        present = [p.grad is not None for p in self.params]
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
+        present = [p.grad is not None for p in params]
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
         flat = torch.cat([*grads, torch.tensor(present, dtype=grads[0].dtype, device=grads[0].device)])
         flat = flat.to(self.reduce_dtype)
-        counts_start = flat.numel() - len(self.params)
+        counts_start = flat.numel() - len(params)
         flat[:counts_start].div_(dist.get_world_size())  # first, as DDP does: an fp16 sum stays in range
         dist.all_reduce(flat)
         offset = 0
-        for param, had, count in zip(self.params, present, flat[counts_start:].tolist()):
+        for param, had, count in zip(params, present, flat[counts_start:].tolist()):
             piece = flat[offset:offset + param.numel()].view_as(param)
             offset += param.numel()
             if count == 0:
