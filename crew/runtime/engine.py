@@ -185,7 +185,7 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         # unequal micro batches: weight each rank by its samples, so the average is over samples
         weighted = loss if self.balancer is None else loss * self.balancer.grad_weight()
-        with self.precision.guard(), self.zero.reducing(self.is_gradient_accumulation_boundary()):
+        with self.precision.guard(), self.zero.reducing(self._sync_this_backward()):
             self.precision.scale_loss(weighted).backward(retain_graph=retain_graph)
         if self._ddp is not None and not self._armed_sync and self._sync_this_backward():
             # the boundary was set after the forward (Accelerate sets it just before backward): DDP did

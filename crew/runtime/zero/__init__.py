@@ -95,12 +95,13 @@ class Zero:
     # -- the model ---------------------------------------------------------------------------
 
     def wrap_ddp(self, model: torch.nn.Module):
-        """Stages 0-1 on more than one rank: DDP, which also broadcasts rank 0's weights. Stage 2 and a
-        model with no trainable parameter have no DDP: rank 0's weights are broadcast here all the same."""
+        """Stages 0-1 on more than one rank: DDP, which also broadcasts rank 0's weights. Stage 2, stage 1
+        reducing to the owners (stage2.py does) and a model with no trainable parameter have no DDP: rank 0's
+        weights are broadcast here all the same."""
         if self.stage == 3 or self.world_size == 1:
             return None
         # a frozen model (TRL's reference/reward/teacher models at stage 0) has nothing for DDP to reduce
-        if self.stage == 2 or not any(p.requires_grad for p in model.parameters()):
+        if self.stage == 2 or self.reduce_to_owners or not any(p.requires_grad for p in model.parameters()):
             from crew.runtime.zero import stage2  # torch.distributed.optim: seconds to import, on use only
             stage2.broadcast_module(model, self.bucket_elements)
             return None
@@ -168,14 +169,16 @@ class Zero:
         # defaults can hold entries the constructor does not take (AdamW: decoupled_weight_decay)
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         try:
-            if self.stage == 2 or self.offload_optimizer or (precision is not None and precision.master_pairs()):
+            if self.stage == 2 or self.reduce_to_owners or self.offload_optimizer or (
+                    precision is not None and precision.master_pairs()):
                 # stage 2, and stage 1 with fp32 masters (bf16/fp16: only the owner keeps its masters, as in
                 # DeepSpeed; offload: masters on the CPU, which NCCL cannot send): every rank gathers the
-                # model's parameters from their owners (param_sync.py); stage 1 reduces through DDP
+                # model's parameters from their owners (param_sync.py); stage 1 reduces through DDP, or to the
+                # owners at the accumulation boundary (use_multi_rank_bucket_allreduce false)
                 from crew.runtime.zero import stage2
                 partitioned = stage2.partition(optimizer, cls, defaults, precision, self.bucket_elements,
-                                                    self.device, reduce_gradients=self.stage == 2,
-                                                    to_owners=self.reduce_to_owners)
+                                               self.device, reduce_gradients=self.stage == 2 or self.reduce_to_owners,
+                                               to_owners=self.reduce_to_owners, stage=self.stage)
                 self.grads, self.partitioned = partitioned.grads, True
                 return _stepping_for(optimizer, partitioned)
             # The same group dicts: a scheduler built on `optimizer` still sets the lr that is used. Its owners'
@@ -235,16 +238,16 @@ def _bucket_elements(value: Any) -> int | None:
 
 
 def _reduce_to_owners(value: Any, stage: int) -> bool:
-    """use_multi_rank_bucket_allreduce false: stage 2 reduces each bucket's slices into their owners only."""
+    """use_multi_rank_bucket_allreduce false: stages 1-2 reduce each bucket's slices into their owners only."""
     if not isinstance(value, bool):
         raise ConfigError(f"zero_optimization.use_multi_rank_bucket_allreduce must be true (all-reduce each "
                           f"gradient bucket, DeepSpeed's default) or false (reduce each owner's part of it to "
                           f"that owner), got {value!r}.")
-    if not value and stage != 2:
+    if not value and stage not in (1, 2):
         log_rank0("zero_optimization.use_multi_rank_bucket_allreduce false has no effect at stage %d: crew "
-                  "reduces to the owners at stage 2 only (stages 0-1 all-reduce through DDP, stage 3 "
+                  "reduces to the owners at stages 1-2 only (stage 0 all-reduces through DDP, stage 3 "
                   "reduce-scatters through FSDP2)", stage)
-    return not value and stage == 2
+    return not value and stage in (1, 2)
 
 
 def _offload(extra: dict, stage: int, device: torch.device) -> dict | None:

@@ -170,10 +170,13 @@ class GradientPartition:
     """Stage 2's gradients: reduced on every backward, kept by the rank that owns the parameter."""
 
     def __init__(self, owners: list[tuple[torch.Tensor, int]], bucket_elements: int, device: torch.device,
-                 to_owners: bool = False) -> None:
+                 to_owners: bool = False, boundary_only: bool = False) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = device
         self.to_owners = to_owners  # use_multi_rank_bucket_allreduce false: reduce each owner's slice to it
+        # stage 1: gradients accumulate whole in .grad over the micro steps and are reduced at the boundary only
+        self.boundary_only = boundary_only
+        self._taking = True  # the hooks take the gradients in this backward
         self.owned = [param for param, owner in owners if owner == self.rank]
         self._owned_ids = {id(param) for param in self.owned}
         self.buckets = _plan_buckets(owners, bucket_elements)
@@ -197,8 +200,17 @@ class GradientPartition:
     @contextlib.contextmanager
     def reducing(self, boundary: bool) -> Iterator[None]:
         """Around engine.backward: every rank reduces every bucket once; on the accumulation boundary
-        the owned parameters get their accumulated gradients as `.grad`."""
-        self._reclaim()
+        the owned parameters get their accumulated gradients as `.grad`. With `boundary_only`, a backward off
+        the boundary leaves its gradients in `.grad`, where autograd adds them up."""
+        if self.boundary_only and not boundary:
+            self._taking = False
+            try:
+                yield
+            finally:
+                self._taking = True
+            return
+        if not self.boundary_only:
+            self._reclaim()
         self._reduced = False
         try:
             yield
@@ -294,7 +306,7 @@ def _hook(partition_ref: weakref.ref, param: torch.Tensor) -> None:
     """A parameter's gradient hook; an engine initialised again on the same model without destroy()
     leaves its hooks behind, and only the newest engine's partition acts."""
     partition = partition_ref()
-    if partition is not None and param.grad is not None and \
+    if partition is not None and partition._taking and param.grad is not None and \
             getattr(param, "_crew_gradient_partition", None) == id(partition):
         partition.take(param)
 
@@ -388,7 +400,7 @@ class PartitionedOptimizer(ZeroRedundancyOptimizer):
 
 def partition(optimizer: torch.optim.Optimizer, optimizer_class: type, defaults: dict, precision,
               bucket_elements: int | None, device: torch.device, reduce_gradients: bool = True,
-              to_owners: bool = False) -> PartitionedOptimizer:
+              to_owners: bool = False, stage: int = 2) -> PartitionedOptimizer:
     """Stage 2 from a built optimizer (over fp32 masters under fp16/bf16): who owns what, the masters
     of other ranks' parameters freed, the gradient hooks installed."""
     elements = bucket_elements or DEFAULT_BUCKET_ELEMENTS
@@ -413,13 +425,13 @@ def partition(optimizer: torch.optim.Optimizer, optimizer_class: type, defaults:
     owners = [(zero.model_param(tensor), rank) for tensor, rank in zero.owners()]
     trainable = [(param, rank) for param, rank in owners if param.requires_grad]
     if zero.world_size > 1 and reduce_gradients:
-        zero.grads = GradientPartition(trainable, elements, device, to_owners)
+        zero.grads = GradientPartition(trainable, elements, device, to_owners, boundary_only=stage == 1)
     mine = sum(param.numel() for param, rank in owners if rank == zero.rank)
     log_rank0("ZeRO stage %d: whole parameters on every rank; %soptimizer state of %d of %d elements on rank "
-              "0%s%s", 2 if reduce_gradients else 1, "gradients and " if reduce_gradients else "", mine,
+              "0%s%s", stage, "gradients and " if stage == 2 else "", mine,
               sum(param.numel() for param, _ in owners), " (fp32 masters too)" if stand_ins else "",
               f", reduced in buckets of up to {elements} elements{' to their owners' if to_owners else ''}"
-              if reduce_gradients else "")
+              f"{' at the accumulation boundary' if stage == 1 else ''}" if reduce_gradients else "")
     return zero
 
 
