@@ -68,7 +68,8 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
     current = dict(model.named_parameters(remove_duplicate=False))
     for name, param in current.items():
         if id(param) in kept_whole:
-            persistence.mark(param, ds_ids.get(name, param.__dict__.get("ds_id")) or next(pp._next_id))
+            ds_id = ds_ids.get(name)
+            persistence.mark(param, ds_id if ds_id is not None else next(pp._next_id))
         else:
             _mark_partitioned(param, ds_ids.get(name), compute_dtype)
     if compute_dtype is not None:
