@@ -167,9 +167,38 @@ def synced(rank: int) -> dict:
     return results
 
 
+def twice_at_the_boundary(rank: int) -> dict:
+    """Two backwards on the accumulation boundary before one step (a caller that sets the boundary itself):
+    each adds its averaged gradients, whichever way they are reduced."""
+    import crew
+
+    results = {}
+    for name, stage, zero in (("ddp", 1, {}), ("stage 1 owners", 1, {"use_multi_rank_bucket_allreduce": False}),
+                              ("stage 2", 2, {})):
+        torch.manual_seed(0)
+        engine, _, _, _ = crew.initialize(model=make_model(), config={
+            "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": stage, **zero}})
+        engine.set_gradient_accumulation_boundary(True)
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            engine.backward(engine(torch.randn(MICRO, WIDTH, generator=generator)).pow(2).mean())
+        engine.step()
+        results[name] = {key: p.detach().clone() for key, p in engine.module.named_parameters()}
+        engine.destroy()
+    return results
+
+
 @pytest.fixture(scope="module")
 def job():
-    return run_parts({"counted": (counted,), "synced": (synced,)}, WORLD, timeout=300)
+    return run_parts({"counted": (counted,), "synced": (synced,), "twice": (twice_at_the_boundary,)}, WORLD,
+                     timeout=300)
+
+
+def test_two_backwards_on_the_boundary_add_their_averaged_gradients_at_stage_1_and_2(job):
+    for ranks in job["twice"]:
+        for name in ("stage 1 owners", "stage 2"):
+            torch.testing.assert_close(ranks[name], ranks["ddp"], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def total(result: dict, of: str) -> float:

@@ -4,7 +4,8 @@ Each trainable parameter has one owner rank, ZeroRedundancyOptimizer's split (wh
 by size). The owner alone keeps its gradient, its fp32 master copy (under fp16/bf16) and its optimizer
 state; every rank keeps every parameter whole, so `model.parameters()` and `model.state_dict()` are the
 full, equal tensors on every rank. Stage 1 under fp16/bf16 (or with offload_optimizer: the masters on the
-CPU) uses the same optimizer without the gradient hooks: DDP averages the gradients there.
+CPU) uses the same optimizer without the gradient hooks: DDP averages the gradients there; with
+use_multi_rank_bucket_allreduce false stage 1 uses the hooks too, at the accumulation boundary only.
 
     backward   each parameter's gradient, as autograd finishes it (a post-accumulate-grad hook), is
                copied from `.grad` into its bucket's flat buffer (laid out owner by owner); a full bucket
@@ -167,7 +168,8 @@ def _plan_buckets(owners: list[tuple[torch.Tensor, int]], capacity: int) -> list
 
 
 class GradientPartition:
-    """Stage 2's gradients: reduced on every backward, kept by the rank that owns the parameter."""
+    """Stage 2's gradients: reduced on every backward, kept by the rank that owns the parameter (with
+    `boundary_only`, stage 1's: added up whole in `.grad` and reduced at the accumulation boundary only)."""
 
     def __init__(self, owners: list[tuple[torch.Tensor, int]], bucket_elements: int, device: torch.device,
                  to_owners: bool = False, boundary_only: bool = False) -> None:
@@ -177,6 +179,7 @@ class GradientPartition:
         # stage 1: gradients accumulate whole in .grad over the micro steps and are reduced at the boundary only
         self.boundary_only = boundary_only
         self._taking = True  # the hooks take the gradients in this backward
+        self._published = False  # the owned reduced gradients are in .grad (a boundary passed, no step yet)
         self.owned = [param for param, owner in owners if owner == self.rank]
         self._owned_ids = {id(param) for param in self.owned}
         self.buckets = _plan_buckets(owners, bucket_elements)
@@ -202,6 +205,9 @@ class GradientPartition:
         """Around engine.backward: every rank reduces every bucket once; on the accumulation boundary
         the owned parameters get their accumulated gradients as `.grad`. With `boundary_only`, a backward off
         the boundary leaves its gradients in `.grad`, where autograd adds them up."""
+        if self._published or not self.boundary_only:  # else .grad holds this rank's own sums, to be reduced
+            self._reclaim()
+        self._published = False
         if self.boundary_only and not boundary:
             self._taking = False
             try:
@@ -209,8 +215,6 @@ class GradientPartition:
             finally:
                 self._taking = True
             return
-        if not self.boundary_only:
-            self._reclaim()
         self._reduced = False
         try:
             yield
@@ -224,6 +228,7 @@ class GradientPartition:
                 grad = self._accumulated.pop(id(param), None)
                 if grad is not None:
                     param.grad = grad
+            self._published = True
 
     def take(self, param: torch.Tensor) -> None:
         """The post-accumulate-grad hook: this micro step's gradient of `param` goes to its bucket."""
@@ -290,6 +295,7 @@ class GradientPartition:
     def clear(self) -> None:
         """zero_grad: the accumulated gradients go too."""
         self._accumulated.clear()
+        self._published = False
 
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
         """The owned `param`'s gradient reduced so far: its .grad at the boundary, else the accumulator."""
