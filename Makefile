@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo test install gpu-check ds-unit
+.PHONY: demo test install gpu-check ds-unit docs compat
 
 install: $(VENV)/.installed
 
@@ -36,3 +36,14 @@ gpu-check:
 ds-unit: install
 	@test -n "$(DS_SRC)" || { echo "make ds-unit DS_SRC=path/to/DeepSpeed (a source checkout)"; exit 2; }
 	$(PY) tools/deepspeed_unit_tests.py $(DS_SRC) $(DS_UNIT_ARGS)
+
+# The manual (docs/, mkdocs.yml) as a site in site/: the docs extra, then a strict build (a warning fails it).
+docs: install
+	$(PY) -m pip install -q -e '.[docs]'
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The torch and Python versions crew promises (pyproject.toml), each in a throwaway venv under .compat/ running a
+# quick subset of the tests; prints a table. Not part of `make test`: it downloads several GB. COMPAT_ARGS: e.g.
+# --torch 2.11.0 to try one version.
+compat:
+	$(PYTHON) tools/compat.py $(COMPAT_ARGS)
