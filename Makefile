@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	rm -rf runs/demo  # the csv_monitor output of the last demo (examples/ds_config.json): a fresh curve
-	$(VENV)/bin/crew run --num_gpus 2 examples/train.py --deepspeed --deepspeed_config examples/ds_config.json
+	rm -rf runs/demo runs/demo-checkpoints  # the last demo's curve (csv_monitor, examples/ds_config.json) and saves
+	$(VENV)/bin/crew run --num_gpus 2 examples/train.py --deepspeed --deepspeed_config examples/ds_config.json \
+		--save_dir runs/demo-checkpoints
 
 test: install
 	tools/system-deps.sh

@@ -27,7 +27,7 @@ from crew.launcher.job.run import FANOUT, JobRun
 from crew.launcher.plan import dsflags
 from crew.launcher.plan.launch import (Launch, agent_launches, format_layout, job_spec, local_devices, remote_nodes,
                                        resolve)
-from crew.launcher.job import elastic, preempt
+from crew.launcher.job import elastic, preempt, summary
 from crew.launcher.job.record import JobRecord
 from crew.launcher.job.timing import Timing
 from crew.units import parse_bytes, parse_count
@@ -208,8 +208,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if code:
             return code
         timing.mark("preflight")
-    code = _run_attempts(launch, args, console, timing)
+    code, run, restarts = _run_attempts(launch, args, console, timing)
     timing.mark("exit")
+    console.say(summary.closing_line(summary.Ending(
+        run.job.job_id, run.status, code, run.job.world_size, len(run.job.nodes), timing.elapsed(), launch.launcher,
+        run.job.cwd, run.failure, tuple(run.outputs), run.job.log_dir, restarts)))
     if timing.enabled:
         console.say(timing.line())
     if code == PREEMPTED_EXIT_CODE:
@@ -217,7 +220,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
-def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console, timing: Timing) -> int:
+def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console,
+                  timing: Timing) -> tuple[int, JobRun, int]:
+    """(exit code, the last attempt's run, how many restarts came before it)."""
     ports = {node.node_rank: node.ssh_port for node in launch.plan.nodes}
     growing = elastic.Elastic(args, launch) if args.min_nodes else None
     if growing:
@@ -240,13 +245,13 @@ def _run_attempts(launch: Launch, args: argparse.Namespace, console: Console, ti
             timing.mark("agents up", run.all_started_at)
         timing.mark("ranks done", run.finished_at)
         if code in (0, PREEMPTED_EXIT_CODE) or run.interrupted or attempt == args.max_restarts:
-            return code
+            break
         launch = _next_launch(launch, run, growing, args, console.say, record)
         if launch is None:
-            return code
+            break
         ports = {node.node_rank: node.ssh_port for node in launch.plan.nodes}
         console.say(f"restarting the job ({attempt + 1} of {args.max_restarts}).")
-    return code
+    return code, run, attempt
 
 
 def _next_launch(launch: Launch, run: JobRun, growing: elastic.Elastic | None, args: argparse.Namespace, say,

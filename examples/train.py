@@ -23,6 +23,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=4096, help="size of the synthetic dataset")
     parser.add_argument("--fail_at_step", type=int, default=-1, help="raise at this step (demo)")
     parser.add_argument("--result", help="write the final loss and step count here (JSON)")
+    parser.add_argument("--save_dir", help="save a checkpoint here after each epoch (engine.save_checkpoint)")
     return deepspeed.add_config_arguments(parser).parse_args()
 
 
@@ -42,7 +43,7 @@ def main() -> None:
         args=args, model=model, model_parameters=model.parameters(),
         training_data=synthetic_dataset(args.samples))
     dtype = next(engine.module.parameters()).dtype
-    for _ in range(args.epochs):
+    for epoch in range(args.epochs):
         for inputs, targets in loader:
             if engine.global_steps == args.fail_at_step:
                 raise RuntimeError(f"failing on purpose at step {engine.global_steps}")
@@ -50,6 +51,8 @@ def main() -> None:
             loss = torch.nn.functional.mse_loss(outputs.float(), targets.to(engine.device))
             engine.backward(loss)
             engine.step()
+        if args.save_dir:
+            engine.save_checkpoint(args.save_dir, client_state={"epoch": epoch})
     if args.result and engine.global_rank == 0:
         with open(args.result, "w") as out:
             json.dump({"loss": loss.item(), "steps": engine.global_steps,

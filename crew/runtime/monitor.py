@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from crew import outputs
 from crew.errors import ConfigError
 
 __all__ = ["Monitor", "missing_extra", "step_events"]
@@ -161,6 +162,7 @@ def _folder(section, name: str) -> str:
     except OSError as err:
         raise ConfigError(f"{name}.output_path / {name}.job_name: cannot create {folder!r} ({err.strerror or err}); "
                           f"point {name}.output_path at a folder this user can write.") from None
+    outputs.report("monitor", folder, writer=name)
     return folder
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import signal
+import tempfile
 import time
 
 import pytest
@@ -100,11 +102,14 @@ def test_a_progress_bar_in_a_file_shows_an_early_and_its_final_state(job_dir):
     assert bar[-1] == "[localhost:0] 2/3 |##" and len(bar) <= 2, bar
 
 
-def test_log_dir_gets_one_file_per_rank(job_dir):
+def test_log_dir_gets_one_file_per_rank_and_the_closing_line_says_where_results_went(job_dir):
     write_script(job_dir, "hello.py", """
         import os, sys
+        from crew import outputs  # what the engine calls on rank 0 when it saves or opens a monitor
         print("hello from", os.environ["RANK"])
         print("warn from", os.environ["RANK"], file=sys.stderr)
+        outputs.report("checkpoint", f"ckpt{os.environ['RANK']}", tag="global_step3")
+        outputs.report("monitor", "runs/demo", writer="csv_monitor")
     """)
     result = crew("run", "--num_gpus", "2", "--log_dir", "logs", "hello.py", cwd=job_dir)
     assert result.code == 0, result.err
@@ -112,6 +117,14 @@ def test_log_dir_gets_one_file_per_rank(job_dir):
         text = (job_dir / "logs" / f"rank{rank}.log").read_text()
         assert f"hello from {rank}\n" in text and f"warn from {rank}\n" in text
         assert "[localhost" not in text
+    last = result.err.strip().splitlines()[-1]
+    assert re.fullmatch(r"crew: job \w+ succeeded · 2 ranks on 1 node · \d+\.\d s · checkpoint ckpt0/global_step3 · "
+                        r"curves runs/demo \(crew plot runs/demo\) · rank logs logs/", last), last
+    record = json.loads((job_dir / "logs" / "crew_job.json").read_text())
+    assert [(o["kind"], o["path"], o["host"]) for o in record["outputs"]] == [
+        ("monitor", str(job_dir / "runs" / "demo"), "localhost"), ("checkpoint", str(job_dir / "ckpt0"), "localhost")]
+    job_id = last.split()[2]
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"crew-{job_id}-*.outputs")) == []  # the agent removed it
 
 
 def test_first_failure_stops_all_ranks_and_is_reported(job_dir):
@@ -123,6 +136,8 @@ def test_first_failure_stops_all_ranks_and_is_reported(job_dir):
     assert "localhost rank 2 (local 2) exited with code 7 (first failure)" in result.err
     assert "fatal: rank 2 gives up at step 3" in result.err.split("first failure")[1]
     assert "logs/rank2.log" in result.err
+    assert re.match(r"crew: job \w+ failed \(exit code 7; rank 2 on localhost failed first\) · 4 ranks on 1 node",
+                    result.err.strip().splitlines()[-1])
 
 
 def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(job_dir):

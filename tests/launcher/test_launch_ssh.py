@@ -22,6 +22,8 @@ ALL_REDUCE = """
     seen["sum"] = value.item()
     json.dump(seen, open(f"rank{dist.get_rank()}.json", "w"))
     dist.destroy_process_group()
+    from crew import outputs  # what the engine calls on rank 0 when it saves
+    outputs.report("checkpoint", "ckpt", tag=f"global_step{os.environ['RANK']}")
 """
 # What a rank was started with, without torch (a test that asserts no collective needs no torch start-up)
 SHOW_ENV = """
@@ -50,6 +52,8 @@ def test_two_nodes_two_ranks_all_reduce(cluster, job_dir):
     assert [s["LOCAL_RANK"] for s in seen] == ["0", "1", "0", "1"]
     assert {s["MASTER_ADDR"] for s in seen} == {"127.0.0.2"}
     assert "launcher ssh" in result.err and "connect" in result.err
+    assert re.fullmatch(r"crew: job \w+ succeeded · 4 ranks on 2 nodes · \d+\.\d s · checkpoint ckpt/global_step0 "
+                        r"on 127\.0\.0\.2", result.err.strip().splitlines()[-1])
 
 
 def test_extended_hostfile_with_ports_and_device_ids(cluster, job_dir):

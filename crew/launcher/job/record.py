@@ -17,6 +17,9 @@ shared filesystem none overwrites another's. The fields:
 - `first_failure`: null, or {`rank`, `host`, `exit_code`, `signal`, `message`}; `rank` is null when the
   failure was not one rank's (the ranks did not all join, a node's agent or ssh connection ended)
 - `exit_code`: crew run's exit code (null while the job runs)
+- `outputs` (once the job ended): what global rank 0's engine wrote, as its node's agent found it (crew/outputs.py):
+  {`kind`: `checkpoint` (`path`: the save dir, `tag`: its newest tag), `monitor` (`path`: the folder, `writer`:
+  `csv_monitor` or `tensorboard`) or `weights` (`path`: save_16bit_model's file), `host`: rank 0's node}
 - `restarts`: one entry per restart (--max_restarts), oldest first: `at`, `after_exit_code`, `failure` (the
   first line of what ended the attempt), `lost` (hosts whose agent or ssh connection ended without their
   ranks' codes), `continued` and, when it did, the `world_size` and `nodes` of the next attempt; with
@@ -87,8 +90,9 @@ class JobRecord:
         self._write()
 
     def finish(self, exit_code: int, status: str, codes: dict[int, int],
-               failure: FirstFailure | None) -> None:
+               failure: FirstFailure | None, outputs: list[dict] = ()) -> None:
         self.data.update({
+            "outputs": list(outputs),
             "ended_at": now_iso(), "status": status, "exit_code": exit_code,
             "exit_codes": {str(rank): codes[rank] for rank in sorted(codes)},
             "first_failure": None if failure is None else {

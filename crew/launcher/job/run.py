@@ -80,6 +80,8 @@ class JobRun:
         self.interrupted: str | None = None
         self.preempted: str | None = None  # the line that said why the ranks were asked to save and exit
         self.checkpoint: str | None = None  # where the preempted ranks saved
+        self.outputs: list[dict] = []  # rank 0's checkpoints and monitor folders (crew/outputs.py), from `done`
+        self.status = "running"  # then succeeded, failed, interrupted or preempted (as in crew_job.json)
         self.raw_codes: dict[int, int | None] = {}  # each rank's exit as its agent saw it (-N: signal N)
         self.started: dict[int, dict] = {}
         self.done: set[int] = set()
@@ -113,10 +115,10 @@ class JobRun:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
         code = self._exit_code()
+        self.status = "failed" if self.failure else "preempted" if code == PREEMPTED_EXIT_CODE \
+            else "interrupted" if self.interrupted or self.preempted else "succeeded"
         if self.record:
-            status = "failed" if self.failure else "preempted" if code == PREEMPTED_EXIT_CODE \
-                else "interrupted" if self.interrupted or self.preempted else "succeeded"
-            self.record.finish(code, status, self.codes, self.failure)
+            self.record.finish(code, self.status, self.codes, self.failure, self.outputs)
         return code
 
     def _install_signal_handlers(self) -> dict:
@@ -315,6 +317,7 @@ class JobRun:
                                if code is not None})
             self.raw_codes.update({int(rank): code for rank, code in event["codes"].items()})
             self.checkpoint = self.checkpoint or event.get("checkpoint")
+            self.outputs += [dict(entry, host=event["host"]) for entry in event.get("outputs") or ()]
             self.holds.reported(event["node"])
             if event.get("exit_code") and not self._stopping():  # stopped by someone else: not a success
                 self.holds.outside_stop(event)  # unless a rank failure elsewhere is on its way (holds)

@@ -32,6 +32,10 @@ class Timing:
         """`phase` ended at monotonic time `at` (default: now)."""
         self.marks[phase] = (time.monotonic() if at is None else at) - self.origin
 
+    def elapsed(self) -> float:
+        """Seconds since the `crew` process was exec'd."""
+        return time.monotonic() - self.origin
+
     def line(self) -> str | None:
         if not self.enabled:
             return None

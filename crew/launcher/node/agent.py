@@ -21,6 +21,7 @@ run, a `sampler.Sampler` looks at them for stalls (`places` events; a `where` li
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import resource
@@ -29,12 +30,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import BinaryIO
 
 import crew
+from crew import outputs
 from crew.errors import PREEMPTED_EXIT_CODE, PREEMPTED_MARK
 from crew.launcher.node import binding, pidfile, sampler, stacks
 from crew.launcher.node.joinwatch import JoinWatch
@@ -142,6 +145,9 @@ def spawn(job: JobSpec, node_rank: int, bindings: list[binding.Binding] | None =
             log = open(log_dir / f"rank{rank}.log", "ab", buffering=0) if log_dir else None
             bound = bindings[local_rank] if bindings else None  # --bind_cores_to_rank
             env = binding.rank_threads(rank_env(job, node_rank, local_rank, dict(os.environ)), job.env, bound)
+            outputs_file = _outputs_file(job) if rank == 0 else None
+            if outputs_file:
+                env[outputs.OUTPUTS_FILE_ENV] = outputs_file
             read_end, write_end = sampler.stack_pipe() if job.stall_watch_s else (None, None)
             try:
                 proc = subprocess.Popen(
@@ -153,16 +159,40 @@ def spawn(job: JobSpec, node_rank: int, bindings: list[binding.Binding] | None =
             except OSError:
                 if read_end is not None:
                     os.close(read_end)
+                if outputs_file:
+                    os.unlink(outputs_file)
                 raise
             finally:
                 if write_end is not None:
                     os.close(write_end)  # the rank holds it now
-            ranks.append(Rank(rank, local_rank, proc, log, stack_pipe=read_end))
+            ranks.append(Rank(rank, local_rank, proc, log, stack_pipe=read_end, outputs_file=outputs_file))
     except OSError:
         for started in ranks:
             signal_group(started.proc.pid, signal.SIGKILL)
         raise
     return ranks
+
+
+def _outputs_file(job: JobSpec) -> str | None:
+    """A new private file for rank 0's list of outputs (made here: O_EXCL, mode 0600, so that no one else's
+    file or link can be there first); None when none can be made, which only costs the closing line."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"crew-{job.job_id}-", suffix=".outputs")
+    except OSError:
+        return None
+    os.close(fd)
+    return path
+
+
+def _outputs(ranks: list[Rank]) -> list[dict]:
+    """What rank 0's engine listed (crew/outputs.py), its file removed."""
+    found = []
+    for rank in ranks:
+        if rank.outputs_file:
+            found += outputs.read(rank.outputs_file)
+            with contextlib.suppress(OSError):
+                os.unlink(rank.outputs_file)
+    return found
 
 
 def pump(rank: Rank, stream: BinaryIO, fd_out: int, prefix: bytes, output: Output) -> None:
@@ -456,7 +486,7 @@ def run(job: JobSpec, node_rank: int, watch_stdin: bool, wait_for_go: bool = Fal
             rank.log.close()
     output.event("done", node=node_rank, host=node.host,
                  codes={r.rank: r.code for r in ranks}, exit_code=code, stop_reason=supervisor.stop_reason,
-                 checkpoint=next((r.checkpoint for r in ranks if r.checkpoint), None))
+                 checkpoint=next((r.checkpoint for r in ranks if r.checkpoint), None), outputs=_outputs(ranks))
     return code
 
 

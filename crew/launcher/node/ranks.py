@@ -30,6 +30,7 @@ class Rank:
     said_timeout: bool = False  # a stderr line said a torch.distributed operation timed out
     stack_pipe: int | None = None  # read end of the pipe its stacks come on, when asked (node/sampler)
     checkpoint: str | None = None  # where it saved when preempted (its stderr's PREEMPTED_MARK line)
+    outputs_file: str | None = None  # global rank 0: where its engine lists its checkpoints (crew/outputs.py)
 
     @property
     def code(self) -> int | None:

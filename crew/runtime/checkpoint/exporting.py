@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from crew import outputs
 from crew.runtime import comm
 from crew.runtime.checkpoint import deepspeed_format
 from crew.runtime.checkpoint.collective import agree, attempt
@@ -48,6 +49,8 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
                  for name, value in (gathered if gathered is not None else fp32_module_state(engine)).items()
                  if name not in frozen}
         problem = attempt(write_state_dict, state, Path(save_dir) / save_filename)
+        if problem is None:
+            outputs.report("weights", Path(save_dir) / save_filename)
     agree(problem, f"save_16bit_model({save_dir}, {save_filename})")
     return True
 

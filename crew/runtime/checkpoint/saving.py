@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy
 import torch
 
-from crew import __version__
+from crew import __version__, outputs
 from crew.log import log_rank0, warn_once
 from crew.runtime import comm
 from crew.runtime.checkpoint import deepspeed_writing
@@ -74,6 +74,8 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None = None,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log_rank0("saved checkpoint %s", save_dir / tag)
+    if comm.get_rank() == 0:
+        outputs.report("checkpoint", save_dir, tag=str(tag))
     if engine.zero.stage >= 1 and comm.get_rank() == 0:
         _write_recovery_script(save_dir)
     return True
