@@ -59,7 +59,7 @@ RESUME_BOUND = 1e-6  # a resume against its own uninterrupted run: float32 round
 DS_NONE_WHY = {
     0: "at ZeRO stage 0 in fp32 DeepSpeed's engine.optimizer is the bare torch optimizer "
        "(runtime/engine.py:2366), which has no _global_grad_norm, so engine.get_global_grad_norm() "
-       "stays None (engine.py:556, 3518); crew reports the norm at every stage (README).",
+       "stays None (engine.py:556, 3518); crew reports the norm at every stage (docs/engine.md).",
 }
 
 

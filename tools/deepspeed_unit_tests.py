@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIM = ROOT / "crew" / "deepspeed" / "shim"
 
 # The public API a DeepSpeed user reaches (initialize, config, lr schedules, checkpointing, ZeRO, zero.Init,
-# comm) in files that DeepSpeed itself passes on a CPU; see the README's "DeepSpeed's own unit tests".
+# comm) in files that DeepSpeed itself passes on a CPU; see docs/benchmarks.md, "DeepSpeed's own unit tests".
 DEFAULT_FILES = [
     "runtime/test_ds_config_dict.py",
     "runtime/test_ds_config_model.py",

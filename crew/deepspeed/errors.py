@@ -28,8 +28,8 @@ UNSUPPORTED = {
     "groups": "DeepSpeed's model/sequence/expert-parallel groups",
     "tp_model_init": "tensor parallelism, AutoTP",
 }
-_WHAT_CREW_DOES = ("crew runs data-parallel training with ZeRO stages 0-3 (its README's section "
-                   "\"The engine: import deepspeed under crew run --as_deepspeed\" lists what it provides)")
+_WHAT_CREW_DOES = ("crew runs data-parallel training with ZeRO stages 0-3 (docs/engine.md in its source lists what "
+                   "it provides)")
 
 
 class UnsupportedAttribute(CrewError, AttributeError):

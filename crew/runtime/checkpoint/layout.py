@@ -28,7 +28,7 @@ SHARDED_DIR = "sharded"
 CREW_STATE = "crew_state.pt"  # DeepSpeed's layout: what crew keeps beyond DeepSpeed's files (deepspeed_writing.py)
 # the manifest's "format": DeepSpeed 0.19.8's files (crew >= 0.2); crew 0.1's own files at stages 0-2, and at 3
 DEEPSPEED_LAYOUT, REPLICATED, SHARDED = "deepspeed", "replicated", "sharded"
-CHECKSUM = "crc32"  # the manifest's "files": {name: {"bytes": n, "crc32": hex}}; see README
+CHECKSUM = "crc32"  # the manifest's "files": {name: {"bytes": n, "crc32": hex}}; see docs/checkpoints.md
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 _RENAME_EXCHANGE = 2
 # Writes this large (tensor storages) are hashed on another core while the kernel copies them: the

@@ -7,7 +7,7 @@ the groups, on each micro step, as the reduce-scatter does without groups.
 Ranks are numbered node by node, so groups of the ranks per node are the nodes. The cost: each rank holds 1/G of
 the parameters, gradients and optimizer state, not 1/world. That is MiCS's trade; DeepSpeed's hpZ keeps the
 optimizer state partitioned over every rank and only the parameters' second copy within the group, which FSDP2
-has no form for: crew's hpZ is MiCS's layout (README, ZeRO).
+has no form for: crew's hpZ is MiCS's layout (docs/zero.md).
 """
 
 from __future__ import annotations
