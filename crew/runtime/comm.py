@@ -9,12 +9,34 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import sys
 
 import torch
 import torch.distributed as dist
 
 from crew.errors import CrewError
 from crew.log import log_rank0
+
+# The oldest torch crew runs on (pyproject.toml says the same; docs/versions.md): FSDP2's set_reshard_after_forward
+# is 2.8's, and 2.8's gloo reduce-scatter sums where FSDP2 asks for the average (stage 3 on CPUs). Checked here,
+# the one crew.runtime module every engine, ZeRO and checkpoint path imports, for a torch pip did not choose
+# (PYTHONPATH on a machine with its own).
+TORCH_FLOOR = (2, 9)
+
+
+def require_torch_floor(version: str = torch.__version__) -> None:
+    """A CrewError naming the installed torch, the floor and the fix when `version` is older than the floor.
+    Only major.minor count: a build such as 2.9.0a0+gitabc (NVIDIA's containers) is a 2.9."""
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if found < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise CrewError(f"crew needs torch >= {floor}; this Python ({sys.executable}) has torch {version} "
+                        f"({os.path.dirname(torch.__file__)}). Install a newer one (pip install 'torch>={floor}') "
+                        f"or run crew with a Python that has one.")
+
+
+require_torch_floor()
 
 ReduceOp = dist.ReduceOp
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

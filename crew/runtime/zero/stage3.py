@@ -155,8 +155,10 @@ def _tag_whole_in_forward(model: torch.nn.Module) -> None:
 
 def fsdp_params(unit: torch.nn.Module) -> list:
     """FSDP2's records of a unit's parameters (each: the shard `sharded_param`, the whole `_unsharded_param`)."""
-    return [fsdp_param for group in getattr(unit._get_fsdp_state(), "_fsdp_param_groups", ())
-            for fsdp_param in getattr(group, "fsdp_params", ())]
+    state = unit._get_fsdp_state()
+    # torch 2.11 keeps a list of groups; 2.8-2.10 one group or None (docs/versions.md)
+    groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+    return [fsdp_param for group in groups if group is not None for fsdp_param in group.fsdp_params]
 
 
 def _tag_unsharded(module: torch.nn.Module, args) -> None:
