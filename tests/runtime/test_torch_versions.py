@@ -1,11 +1,15 @@
-"""What crew needs of the installed torch (docs/versions.md): the floor (crew/runtime/comm.py), an older torch
-being one clear error naming it, the floor and the fix; and FSDP2's records read on every torch from the floor on."""
+"""What crew needs of the installed torch and Python (docs/versions.md): the floor (crew/runtime/comm.py), an
+older torch being one clear error naming it, the floor and the fix; FSDP2's records read on every torch from the
+floor on; a sharded checkpoint's metadata read whichever Python wrote it."""
 
 from __future__ import annotations
 
+import io
+import pickle
 import re
 import subprocess
 import sys
+from pathlib import PosixPath
 
 import pytest
 import torch
@@ -65,3 +69,13 @@ def test_a_units_parameters_are_found_and_tagged_whole_inside_its_forward():
     # FSDP2 keeps a unit's records in _fsdp_param_group before torch 2.11, in _fsdp_param_groups since
     for seen in run_ranks(whole_inside_forward, 2):
         assert seen and all(count > 0 and status == "AVAILABLE" for count, status in seen), seen
+
+
+def test_a_path_pickled_by_python_3_13_reads_as_a_path():
+    from crew.runtime.checkpoint.sharded import _MetadataUnpickler
+
+    # protocol 2 by hand: GLOBAL 'pathlib._local PosixPath', the argument tuple, REDUCE, STOP
+    pickled = b"\x80\x02cpathlib._local\nPosixPath\nX\x04\x00\x00\x00/tmp\x85R."
+    assert _MetadataUnpickler(io.BytesIO(pickled)).load() == PosixPath("/tmp")
+    with pytest.raises(pickle.UnpicklingError, match="has no place"):
+        _MetadataUnpickler(io.BytesIO(b"\x80\x02cpathlib._local\nPurePath\n.")).load()

@@ -53,6 +53,8 @@ _METADATA_GLOBALS = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if module == "pathlib._local":  # where Python 3.13 pickles pathlib's classes from; read on any Python
+            module = "pathlib"
         names = _METADATA_GLOBALS.get(module, ())
         allowed = (names is None or name in names or (module == "torch" and (
             name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))))
