@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VENVS = REPO / ".compat"
 
-# (python, torch): the floor on the oldest Python, the torch the lent GPU machines ship, the newest torch pip
-# may install here (/etc/xdg/pip/constraints.txt caps it) on the oldest and the newest Python.
+# (python, torch): the floor (pyproject.toml) on the oldest Python, the torch the lent GPU machines ship, and the
+# newest torch pip may install here (/etc/xdg/pip/constraints.txt caps it) on Python 3.11 and the newest Python.
 PLAN = [("3.10", "2.9.0"), ("3.11", "2.11.0"), ("3.11", "2.14.1"), ("3.13", "2.14.1")]
 
 # A local multi-process `crew run`, the engine at ZeRO 0-3 in bf16/fp16, checkpoints (stage 3's are DCP) saved,
