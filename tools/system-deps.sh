@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # System packages the multi-node tests use: sshd for the loopback nodes, pdsh for the pdsh runner,
-# rsync for `crew sync` (which falls back to tar without it), and Slurm with munge for the private
-# one-machine Slurm cluster (tests/slurmcluster.py) of the slurm launcher's tests.
+# rsync for `crew sync` (which falls back to tar without it), Slurm with munge for the private
+# one-machine Slurm cluster (tests/slurmcluster.py) of the slurm launcher's tests, and OpenMPI and MPICH
+# (side by side: mpirun.openmpi, mpirun.mpich) for the MPI launchers' tests.
 # Installs them when missing and this user may (root, or password-less sudo); otherwise says so,
 # and the tests that need them are skipped with that reason. Each group installs on its own, so one
 # that apt cannot install does not hold back the others.
@@ -16,9 +17,12 @@ slurm=()
 [ -x /usr/sbin/slurmd ] || slurm+=(slurmd)
 [ -x /usr/sbin/munged ] || slurm+=(munge)
 command -v srun >/dev/null || slurm+=(slurm-client)
-[ ${#missing[@]} -eq 0 ] && [ ${#slurm[@]} -eq 0 ] && exit 0
+mpi=()
+command -v mpirun.openmpi >/dev/null || mpi+=(openmpi-bin)
+command -v mpirun.mpich >/dev/null || mpi+=(mpich)
+[ ${#missing[@]} -eq 0 ] && [ ${#slurm[@]} -eq 0 ] && [ ${#mpi[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -eq 0 ]; then sudo=""; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; else
-  echo "system-deps: cannot install ${missing[*]} ${slurm[*]} (not root, no password-less sudo); the ssh/pdsh/rsync/slurm tests will be skipped." >&2
+  echo "system-deps: cannot install ${missing[*]} ${slurm[*]} ${mpi[*]} (not root, no password-less sudo); the ssh/pdsh/rsync/slurm/mpi tests will be skipped." >&2
   exit 0
 fi
 export DEBIAN_FRONTEND=noninteractive
@@ -32,4 +36,5 @@ install() {  # install GROUP-NAME PACKAGE...: never fails the build
 }
 install ssh/pdsh/rsync "${missing[@]}"
 install slurm "${slurm[@]}"
+install mpi "${mpi[@]}"
 exit 0
