@@ -1,7 +1,8 @@
 """The process group: join it from the launcher's environment, and DeepSpeed's `deepspeed.comm` calls.
 
 Works under `crew run`, torchrun, DeepSpeed's launcher (all set RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, LOCAL_RANK), and as a single process with no launcher at all (a world of one).
+MASTER_PORT, LOCAL_RANK), under plain mpirun (the world from MPI's variables: crew/runtime/mpi_env.py), and
+as a single process with no launcher at all (a world of one).
 The collectives also work before/without a process group, as the identity on a world of one.
 """
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from crew.errors import CrewError
 from crew.log import log_rank0
+from crew.runtime import mpi_env
 
 # The oldest torch crew runs on (pyproject.toml says the same; docs/versions.md): FSDP2's set_reshard_after_forward
 # is 2.8's, and 2.8's gloo reduce-scatter sums where FSDP2 asks for the average (stage 3 on CPUs). Checked here,
@@ -63,7 +65,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
     The group comes from the launcher's environment, or from init_method (with rank and world_size, as
     torch takes them); with neither, a world of one. dist_backend None: NCCL on a GPU, else gloo.
-    auto_mpi_discovery, distributed_port (MPI discovery) and config (comms logging) are not used.
+    auto_mpi_discovery: where a launcher's variables are missing and MPI's are set (plain mpirun), the
+    world comes from those, the master port being MASTER_PORT or distributed_port, as DeepSpeed's.
+    config (comms logging) is not used.
     """
     if dist.is_initialized():
         return
@@ -76,6 +80,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                         "timedelta(minutes=30).")
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     _check_backend(backend)
+    if auto_mpi_discovery and init_method in (None, "env://"):
+        _discover_mpi_world(distributed_port, timeout, verbose)
     if backend == "nccl":
         torch.cuda.set_device(get_local_rank())
     if init_method is None and world_size in (-1, 1) and not _launched():
@@ -90,6 +96,34 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                   init_method or f"master {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
     dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank,
                             world_size=world_size)
+
+
+def _discover_mpi_world(distributed_port: int, timeout: datetime.timedelta, verbose: bool) -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from MPI's variables into os.environ, as
+    DeepSpeed's discovery sets them, where a launcher did not; nothing for an MPI world of one (no port)."""
+    if not mpi_env.needs_discovery(os.environ):
+        return
+    world = mpi_env.find_mpi_world(os.environ, distributed_port)
+    if world is not None and world.world_size > 1:
+        _adopt(world, timeout, verbose)
+
+
+def mpi_discovery(distributed_port: int = 29500, verbose: bool = True) -> None:
+    """DeepSpeed's name: the world from MPI's variables into RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+    MASTER_PORT (init_distributed does this itself where a launcher set none)."""
+    world = mpi_env.find_mpi_world(os.environ, distributed_port)
+    if world is None:
+        raise CrewError("mpi_discovery(): no MPI variables here (OMPI_COMM_WORLD_RANK, PMI_RANK, MV2_COMM_WORLD_RANK, "
+                        "PMIX_RANK): start the script with mpirun, or with crew run, which sets RANK and the rest.")
+    _adopt(world, DEFAULT_TIMEOUT, verbose)
+
+
+def _adopt(world: mpi_env.MpiWorld, timeout: datetime.timedelta, verbose: bool) -> None:
+    world = mpi_env.settle(world, os.environ, timeout.total_seconds())
+    os.environ.update(world.torchrun_env())
+    if verbose:
+        log_rank0("discovered %s: rank %s of %s, local rank %s, master %s:%s (%s)", world.flavour, world.rank,
+                  world.world_size, world.local_rank, world.master_addr, world.master_port, world.master_from)
 
 
 def _check_backend(backend: str) -> None:
