@@ -19,7 +19,7 @@ from pathlib import Path
 from crew import __version__, precheck, wizard
 from crew.cliparser import CrewParser
 from crew.errors import PREEMPTED_EXIT_CODE, CrewError
-from crew.launcher.transport import runners
+from crew.launcher.transport import mpi, runners
 from crew.launcher.plan.hostfile import is_number
 from crew.launcher.console.console import Console
 from crew.launcher.preflight.gate import PreflightGate
@@ -91,7 +91,8 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     _option(group, "--master_port", type=_port, help="port rank 0 listens on (default: a free one)")
     _option(group, "--launcher", choices=runners.RUNNERS,
             help="how to start each node: local (no hostfile), ssh (hostfile), pdsh, standalone, "
-                 "slurm (inside an allocation without a hostfile: one srun for every node)")
+                 "slurm (inside an allocation without a hostfile: one srun for every node), openmpi, mpich, "
+                 "impi, mvapich (one mpirun starts every node's agent)")
     _option(group, "--force_multi", action="store_true",
             help="use ssh even for a one-node hostfile naming this machine")
     _option(group, "--node_rank", type=int, help="standalone: which node of the plan this is")
@@ -149,8 +150,8 @@ def _add_deepspeed_options(group) -> None:
             help="a script sourced on every node before crew's agent starts (ssh, pdsh, slurm), e.g. a "
                  "venv's bin/activate; not on a local or standalone launch, which use this shell")
     _option(group, "--launcher_args", default="", metavar="\"ARGS\"",
-            help="arguments for pdsh or srun, one quoted string; with a hostfile and no --launcher they mean "
-                 "pdsh (DeepSpeed's launcher)")
+            help="arguments for pdsh, srun or mpirun, one quoted string; with a hostfile and no --launcher they "
+                 "mean pdsh (DeepSpeed's launcher)")
     _option(group, "--log_level", choices=dsflags.LOG_LEVELS, default="info",
             help="crew's own lines: warning and above leave out the informational ones (layout, start-up "
                  "times), keeping warnings, failures and reports; debug is --verbose. Rank output is all kept")
@@ -183,7 +184,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for name, value in launch.plan.env.items():
         print(f"  env {name}={shlex.quote(value)}")
     for a in launches:
-        print(f"  command ({a.label}): {shlex.join(a.argv)}")
+        env = "".join(f"{name}={shlex.quote(value)} " for name, value in (a.env or {}).items())
+        print(f"  command ({a.label}): {env}{shlex.join(a.argv)}")
     return 0
 
 
@@ -194,11 +196,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     launch = resolve(args)
     elastic.check(args, launch)
     precheck.check_run(args, launch.launcher, launch.plan.world_size)  # before any rank or connection
+    _check_mpi(launch)
     console = Console(sys.stdout.buffer, sys.stderr.buffer, level=args.log_level)
     _say_notes(launch, console.say, console.info)
     if args.sync:
         sync_code(launch, args, [], console.info)
-    if not (args.skip_preflight or args.no_ssh_check) and launch.launcher == "pdsh":  # over ssh: the agents (gate)
+    first_preflight = launch.launcher in ("pdsh", *mpi.MPI_RUNNERS)  # no stdin to the agents; over ssh: the gate
+    if not (args.skip_preflight or args.no_ssh_check) and first_preflight:
         from crew.launcher.preflight import doctor
 
         said: list[str] = []
@@ -277,13 +281,21 @@ def _next_launch(launch: Launch, run: JobRun, growing: elastic.Elastic | None, a
 
 def _preflight_gate(launch: Launch, job, args: argparse.Namespace) -> PreflightGate | None:
     """Over ssh and srun (whose stdin reaches every node), the agents run the preflight's quick checks and
-    wait for the verdict (one ssh login per node); pdsh gives them no stdin to wait on, so there it runs
-    first, on its own (cmd_run)."""
+    wait for the verdict (one ssh login per node); pdsh and mpirun give them no stdin to wait on, so there it
+    runs first, on its own, over ssh (cmd_run)."""
     if args.skip_preflight or args.no_ssh_check or launch.launcher not in ("ssh", "slurm"):
         return None
     from crew.launcher.preflight import doctor
 
     return PreflightGate(len(job.nodes), doctor.preflight_judge(launch, job, args.verbose))
+
+
+def _check_mpi(launch: Launch) -> None:
+    """An MPI launcher: the right mpirun is here, and it can take these hosts and ssh options."""
+    if launch.launcher in mpi.MPI_RUNNERS:
+        mpi.check(launch.launcher)
+        mpi.validate(launch.launcher, [node.host for node in launch.plan.nodes],
+                     [node.ssh_port for node in launch.plan.nodes], runners.SSH_OPTIONS, launch.ssh_args)
 
 
 def _say_notes(launch: Launch, say, info) -> None:
@@ -314,7 +326,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from crew.launcher.preflight import doctor
 
-    return doctor.run_doctor(resolve(args), args)
+    launch = resolve(args)
+    _check_mpi(launch)
+    return doctor.run_doctor(launch, args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

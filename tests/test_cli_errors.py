@@ -42,7 +42,7 @@ def main_error(capsys, *argv: str) -> str:
      "name). See 'crew run --help'."),
     (["run", "--launcher", "sssh", "train.py"],
      "crew run: error: --launcher: invalid choice: 'sssh' (choose from 'local', 'ssh', 'pdsh', 'standalone', "
-     "'slurm'); did you mean 'ssh'? See 'crew run --help'."),
+     "'slurm', 'openmpi', 'mpich', 'impi', 'mvapich'); did you mean 'ssh'? See 'crew run --help'."),
     (["run", "--num_nodes", "two", "train.py"],
      "crew run: error: --num_nodes: invalid int value: 'two'. See 'crew run --help'."),
     (["doctor", "--jsn"], "crew doctor: error: unknown option --jsn; did you mean --json? See 'crew doctor --help'."),

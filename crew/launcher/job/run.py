@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from crew.errors import PREEMPTED_EXIT_CODE
 from crew.launcher.job import preempt
 from crew.launcher.node import binding
-from crew.launcher.transport import runners
+from crew.launcher.transport import mpi, runners
 from crew.launcher.console.console import Console
 from crew.launcher.preflight.gate import PreflightGate
 from crew.launcher.job.hangs import HANG_EXIT_CODE, HangWatch
@@ -185,6 +185,9 @@ class JobRun:
             if agent.launch.label == "srun" and (end := srun_task_end(line.decode(errors="replace"))):
                 self.events.put(("task_end", index, end))  # crew says it, or quotes it (holds)
                 continue
+            if agent.launch.label == "mpirun" and len(self.started) < len(self.job.nodes) and \
+                    (host := mpi.ssh_failure(line.decode(errors="replace"))) is not None:
+                self.events.put(("ssh_failed", index, (line.decode(errors="replace").strip(), host)))
             with self._held_lock:
                 if agent.held is not None:
                     agent.held.append(line)
@@ -216,6 +219,8 @@ class JobRun:
                 self._on_signal(value)
             elif kind == "task_end":
                 self._on_task_end(self.agents[index], value)
+            elif kind == "ssh_failed":
+                self._on_mpi_ssh_failure(*value)
             self._judge_held()
             before = len(self.agents)
             self._start_more()
@@ -335,6 +340,13 @@ class JobRun:
             code = agent.proc.returncode
             self._fail(_exit_code(code) or 1, self._describe_agent_failure(agent, code),
                        host=agent.launch.label)
+
+    def _on_mpi_ssh_failure(self, line: str, host: str) -> None:
+        """mpirun's ssh to a node failed: its agent will never start (Hydra would wait for it forever)."""
+        port = next((self.ports.get(n) for n, node in enumerate(self.job.nodes) if node.host == host), None)
+        fix = ssh_fix([line], host or "that node", port)
+        message = f"mpirun could not log in to {host or 'a node'} over ssh ({line})."
+        self._fail(255, f"{message} {fix}" if fix else message, host=host or "mpirun")
 
     def _on_task_end(self, agent: Agent, end: TaskEnd) -> None:
         for node in agent.launch.node_ranks:

@@ -43,7 +43,8 @@ from crew.launcher.node import binding, pidfile, sampler, stacks
 from crew.launcher.node.joinwatch import JoinWatch
 from crew.launcher.transport.proc import seconds_since_exec, signal_group
 from crew.launcher.transport.protocol import (GO_COMMAND, PREEMPT_COMMAND, PROGRESS_MARK, STACKS_COMMAND,
-                                              WHERE_COMMAND, JobSpec, NodeSpec, node_arguments, read_job)
+                                              MPI_NODE_RANK, WHERE_COMMAND, JobSpec, NodeSpec, mpi_identity,
+                                              node_arguments, read_job)
 from crew.launcher.node.ranks import Output, Rank
 from crew.launcher.node.streams import IDLE_FLUSH_S, PROGRESS, Item, StreamSplitter
 
@@ -518,7 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.preflight and args.watch != "stdin":
         parser.error("--preflight needs the launcher's stdin (--watch stdin)")
-    job = read_job(parser, args)  # resolves --node_rank slurm into this node's index
+    under_mpi = args.node_rank == MPI_NODE_RANK
+    job = read_job(parser, args)  # resolves --node_rank slurm (or mpi) into this node's index
+    if under_mpi:  # the ranks get crew's RANK/WORLD_SIZE..., never this agent's MPI rank as theirs
+        for name in mpi_identity(os.environ):
+            del os.environ[name]
     with pidfile.saved(job.save_pid):  # --save_pid
         return run(job, args.node_rank, watch_stdin=args.watch == "stdin", wait_for_go=args.preflight)
 

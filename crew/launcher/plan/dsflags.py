@@ -3,7 +3,7 @@ change in the launch (the launcher, pdsh's and srun's arguments, the ssh options
 them. Used by `launch.resolve`; the bindings themselves are the agent's (node/binding.py).
 
 - --no_ssh: every node started by hand with its --node_rank: crew's standalone launcher.
-- --launcher_args: pdsh's or srun's own arguments. With a hostfile and no --launcher, DeepSpeed's launcher
+- --launcher_args: pdsh's, srun's or mpirun's own arguments. With a hostfile and no --launcher, DeepSpeed's launcher
   is pdsh, so crew uses pdsh then too; crew's ssh launcher takes ssh options from --ssh_args instead.
 - --venv_script: sourced on every node before crew's agent starts (ssh, pdsh, srun); not on this machine.
 - --bind_core_list: asks for binding (--bind_cores_to_rank), which DeepSpeed would need as well.
@@ -76,7 +76,7 @@ def settle_launcher(chosen: str, args: argparse.Namespace) -> tuple[str, tuple[s
     if not words:
         return chosen, (), []
     if chosen == "ssh" and args.launcher == "ssh":
-        raise PlanError(f"--launcher_args {args.launcher_args!r}: these are pdsh's or srun's arguments, and "
+        raise PlanError(f"--launcher_args {args.launcher_args!r}: these are pdsh's, srun's or mpirun's arguments, and "
                         "--launcher ssh runs no pdsh. Give ssh options with --ssh_args \"...\", or use "
                         "--launcher pdsh.")
     if chosen == "ssh":

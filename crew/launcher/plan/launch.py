@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crew.errors import LaunchError, PlanError
-from crew.launcher.transport import runners
+from crew.launcher.transport import mpi, runners
 from crew.launcher.plan import dsflags, slurm
 from crew.launcher.plan.env import gather_env
 from crew.launcher.plan.hostfile import Host, is_number, read_hostfile
@@ -39,7 +39,7 @@ class Launch:
     hosts: list[Host]
     plan: Plan
     ssh_args: tuple[str, ...]  # PDSH_SSH_ARGS_APPEND's words, then --ssh_args
-    launcher_args: tuple[str, ...] = ()  # --launcher_args, for pdsh or srun
+    launcher_args: tuple[str, ...] = ()  # --launcher_args, for pdsh, srun or mpirun
     venv_script: str | None = None  # --venv_script, sourced on every node before the agent (ssh, pdsh, srun)
     notes: tuple[dsflags.Note, ...] = ()  # what crew says of DeepSpeed's flags before it starts
     spares: tuple[Host, ...] = ()  # --min_nodes: the hosts beyond --num_nodes, to take a lost node's place
@@ -151,7 +151,7 @@ def _choose_launcher(args: argparse.Namespace, hosts: list[Host]) -> str:
 def _default_master(launcher: str, first: Host, ssh_args: tuple[str, ...]) -> str:
     if launcher == "local":
         return "127.0.0.1"
-    if launcher in ("ssh", "pdsh"):
+    if launcher in ("ssh", "pdsh", *mpi.MPI_RUNNERS):
         return runners.resolve_ssh_host(first.name, first.ssh_port, ssh_args)
     return first.name
 
@@ -185,7 +185,8 @@ def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,
                    module: str = runners.AGENT_MODULE, extra: tuple[str, ...] = ()):
     """How each node's agent (or another crew module, e.g. the doctor's probe) gets started. The agent's
     Python is this one, at the same path, unless --python names another (as DeepSpeed, --venv_script or
-    not: `--python python3` takes the one the script puts on PATH)."""
+    not: `--python python3` takes the one the script puts on PATH). Under an MPI launcher the doctor's probes go
+    over ssh, to the same hosts: mpirun's own ssh must reach them, and ssh says why when it cannot."""
     ports = [node.ssh_port for node in launch.plan.nodes]
     venv = launch.venv_script
     python = args.python or sys.executable
@@ -194,6 +195,11 @@ def agent_launches(launch: Launch, job: JobSpec, args: argparse.Namespace,
     if launch.launcher == "pdsh":
         return runners.pdsh_launches(job, python, ports, launch.ssh_args, module, extra, venv=venv,
                                      launcher_args=launch.launcher_args)
+    if launch.launcher in mpi.MPI_RUNNERS and module != runners.AGENT_MODULE:  # the doctor's probes: over ssh
+        return runners.ssh_launches(job, python, ports, launch.ssh_args, module, extra, venv=venv)
+    if launch.launcher in mpi.MPI_RUNNERS:
+        return runners.mpi_launches(job, python, ports, launch.launcher, mpi.mpirun_for(launch.launcher),
+                                    launch.ssh_args, extra, venv, launch.launcher_args)
     if launch.launcher == "slurm":
         options = [*slurm.srun_options(os.environ), *launch.launcher_args]
         return runners.slurm_launches(job, python, options, module, extra, venv=venv)
@@ -230,6 +236,6 @@ def _layout_line(node: NodePlan) -> str:
 def remote_nodes(launch: Launch) -> list[tuple[str, int | None]]:
     """(host, ssh port) of each node `crew sync` copies to over ssh; none for the local and standalone
     launchers. Under Slurm, the allocation's nodes (those sharing this filesystem are skipped)."""
-    if launch.launcher not in ("ssh", "pdsh", "slurm"):
+    if launch.launcher not in ("ssh", "pdsh", "slurm", *mpi.MPI_RUNNERS):
         return []
     return [(node.host, node.ssh_port) for node in launch.plan.nodes]

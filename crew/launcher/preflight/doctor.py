@@ -24,6 +24,7 @@ from pathlib import Path
 from crew.errors import CrewError
 from crew.launcher.preflight import probe
 from crew.launcher.transport import runners
+from crew.launcher.transport.mpi import MPI_RUNNERS
 from crew.launcher.preflight.gate import Judge
 from crew.launcher.job.run import FANOUT, LINE_MAX, STOP_WAIT_S, fit_list
 from crew.launcher.plan.launch import NO_SCRIPT, Launch, agent_launches, job_spec
@@ -151,7 +152,7 @@ def evaluate(launch: Launch, job: JobSpec, run: ProbeRun, reference: dict, full:
     for node in launch.plan.nodes:
         report = NodeReport(node.node_rank, node.host, node.ssh_port)
         reports.append(report)
-        remote = launch.launcher in ("ssh", "pdsh")
+        remote = launch.launcher in ("ssh", "pdsh", *MPI_RUNNERS)
         facts = run.facts.get(node.node_rank)
         if facts is None:
             code, lines = run.errors[node.node_rank]

@@ -46,6 +46,10 @@ PREEMPT_COMMAND = b"preempt"  # a preemption notice: SIGTERM to each rank's own 
 PIECE_MARK = b"\x1ecrew-piece "  # PIECE_MARK NODE +|. TEXT: part of a long line; "." ends it
 AGENT_MODULE = "crew.launcher.node.agent"
 SLURM_NODE_RANK = "slurm"  # --node_rank under srun: the agent finds its node by SLURMD_NODENAME
+MPI_NODE_RANK = "mpi"  # --node_rank under mpirun: the agent's MPI rank (one per node, in plan order) is its node
+# (rank, size) variables by MPI: OpenMPI, PMIx, MPICH/Intel MPI (Hydra's PMI), MVAPICH2
+MPI_RANK_VARIABLES = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMIX_RANK", None),
+                      ("PMI_RANK", "PMI_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,8 @@ def node_arguments(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--job", help="job id, for `ps` readers; the spec carries the real one")
     parser.add_argument("--node_rank", type=_node_rank, required=True,
-                        help=f"this node's index in the spec, or '{SLURM_NODE_RANK}': find it by SLURMD_NODENAME")
+                        help=f"this node's index in the spec, or '{SLURM_NODE_RANK}': find it by SLURMD_NODENAME, "
+                             f"or '{MPI_NODE_RANK}': the MPI rank mpirun gave this process")
     parser.add_argument("--spec_b64", help="the job spec in base64 (default: one JSON line on stdin)")
     parser.add_argument("--watch", choices=("stdin", "stdout"), default="stdin",
                         help="how to notice the launcher is gone: stdin EOF, or stdout hang-up (pdsh)")
@@ -173,12 +178,13 @@ def node_arguments(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def _node_rank(text: str) -> int | str:
-    if text == SLURM_NODE_RANK:
+    if text in (SLURM_NODE_RANK, MPI_NODE_RANK):
         return text
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a node index or '{SLURM_NODE_RANK}'") from None
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not a node index, '{SLURM_NODE_RANK}' or '{MPI_NODE_RANK}'") from None
 
 
 def read_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> JobSpec:
@@ -196,6 +202,11 @@ def read_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> JobSp
         if isinstance(found, str):
             parser.error(found)
         args.node_rank, job = found
+    elif args.node_rank == MPI_NODE_RANK:
+        found = mpi_node(job, os.environ)
+        if isinstance(found, str):
+            parser.error(found)
+        args.node_rank = found
     if not 0 <= args.node_rank < len(job.nodes):
         parser.error(f"--node_rank {args.node_rank} is not in 0..{len(job.nodes) - 1}")
     return job
@@ -225,3 +236,33 @@ def slurm_node(job: JobSpec, environ: Mapping[str, str]) -> tuple[int, JobSpec] 
                 "more GPUs per node.")
     mapped = replace(node, slots=tuple(int(ids[slot]) for slot in node.slots))
     return index, replace(job, nodes=(*job.nodes[:index], mapped, *job.nodes[index + 1:]))
+
+
+def mpi_node(job: JobSpec, environ: Mapping[str, str]) -> int | str:
+    """Under mpirun (one process per node, in the plan's order): this node's index, the MPI rank mpirun gave
+    this process. A string says why there is none: no MPI rank variable, or a world of another size (e.g.
+    --launcher_args that changed -n)."""
+    for rank_name, size_name in MPI_RANK_VARIABLES:
+        rank = environ.get(rank_name, "")
+        if not rank:
+            continue
+        size = environ.get(size_name or "", str(len(job.nodes)))
+        if not (rank.isascii() and rank.isdigit() and size.isascii() and size.isdigit()):
+            return f"--node_rank {MPI_NODE_RANK}: {rank_name}={rank!r}, {size_name}={size!r} are no MPI rank and size."
+        if int(size) != len(job.nodes):
+            return (f"--node_rank {MPI_NODE_RANK}: mpirun started {size} process(es) ({size_name}), but the job has "
+                    f"{len(job.nodes)} node(s): one agent per node is needed. Leave -n/-np/-ppn out of "
+                    "--launcher_args.")
+        return int(rank)
+    names = ", ".join(name for name, _ in MPI_RANK_VARIABLES)
+    return (f"--node_rank {MPI_NODE_RANK}: none of {names} is set, so this is no process started by mpirun. "
+            "Start it with mpirun (crew run --launcher openmpi|mpich|impi|mvapich does).")
+
+
+def mpi_identity(environ: Mapping[str, str]) -> list[str]:
+    """The variables that give this process its MPI rank and size: the agent's, not its ranks' (a rank that
+    read them would take the node's index for its own rank)."""
+    names = {name for pair in MPI_RANK_VARIABLES for name in pair if name}
+    prefixes = ("OMPI_COMM_WORLD_", "MV2_COMM_WORLD_")
+    return [name for name in environ if name in names or name.startswith(prefixes)
+            or name in ("MPI_LOCALRANKID", "MPI_LOCALNRANKS", "OMPI_UNIVERSE_SIZE")]

@@ -1,4 +1,4 @@
-"""How the node agents get started: local, ssh, pdsh, standalone or slurm. Plan in, argv out.
+"""How the node agents get started: local, ssh, pdsh, standalone, slurm or an mpirun (mpi.py). Plan in, argv out.
 
 Each runner turns a JobSpec into `AgentLaunch`es, the processes `crew run` starts on the launching
 machine. Whatever goes to a remote shell is built with shlex quoting from validated parts; the job spec
@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from crew.errors import LaunchError
+from crew.launcher.transport import mpi
 from crew.launcher.transport.proc import die_with_parent
-from crew.launcher.transport.protocol import AGENT_MODULE, SLURM_NODE_RANK, JobSpec
+from crew.launcher.transport.protocol import AGENT_MODULE, MPI_NODE_RANK, SLURM_NODE_RANK, JobSpec
 
-RUNNERS = ("local", "ssh", "pdsh", "standalone", "slurm")
+RUNNERS = ("local", "ssh", "pdsh", "standalone", "slurm", *mpi.MPI_RUNNERS)
 VENV_MISSING = "crew: --venv_script"  # how the remote shell's message starts when the script is missing
 # BatchMode: a missing key fails at once instead of prompting on a terminal nobody watches.
 # ServerAlive: a dead network path is noticed in ~30 s, and the remote agents stop their ranks.
@@ -189,6 +190,21 @@ def slurm_launches(job: JobSpec, python: str, options: Sequence[str] = (), modul
     argv = [*srun, *agent]  # `options` end with --launcher_args
     return [AgentLaunch(tuple(range(count)), tuple(argv), "srun", spec_on_stdin=on_stdin,
                         kill_signal=signal.SIGTERM, chatter=(b"srun: ", b"slurmstepd"))]
+
+
+def mpi_launches(job: JobSpec, python: str, ports: Sequence[int | None], launcher: str, binary: str,
+                 ssh_args: Sequence[str] = (), extra: Sequence[str] = (), venv: str | None = None,
+                 launcher_args: Sequence[str] = ()) -> list[AgentLaunch]:
+    """One mpirun for every node (mpi.py): each node's agent is a shell that goes to the launching directory,
+    sources --venv_script and becomes the agent, which takes its node from its MPI rank. The spec is in argv
+    and the agents watch their stdout, as under pdsh. A crew killed outright takes mpirun down with SIGTERM,
+    on which it stops its daemons and every agent."""
+    command = remote_command(python, job, MPI_NODE_RANK, *extra, "--spec_b64", job.to_b64(), "--watch", "stdout",
+                             venv=venv)
+    ssh = mpi.ssh_words(ports, SSH_OPTIONS, ssh_args, launcher)
+    argv, env = mpi.mpi_argv(launcher, binary, job, ["sh", "-c", command], ssh, launcher_args, os.geteuid())
+    return [AgentLaunch(tuple(range(len(job.nodes))), tuple(argv), "mpirun", spec_on_stdin=False, env=env,
+                        kill_signal=signal.SIGTERM, chatter=(b"[mpiexec@", b"[proxy:"))]
 
 
 def ssh_config(host: str, port: int | None, ssh_args: Sequence[str] = ()) -> dict:
