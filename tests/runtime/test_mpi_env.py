@@ -4,10 +4,14 @@ init_distributed(auto_mpi_discovery=True) does: each MPI's names as that MPI set
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 
 from crew.errors import CrewError
 from crew.runtime.mpi_env import find_mpi_world, needs_discovery, no_master_message, settle
+from crew.runtime.pmi import PmiError, share_from_rank0
 
 # What `mpirun.openmpi -n 2 env` gives rank 1 (of the variables crew reads), ranks on one machine
 OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
@@ -110,3 +114,33 @@ def test_an_unknown_local_rank_says_so():
     assert world.local_rank is None
     assert "nothing says its local rank" in no_master_message(world)
     assert "export LOCAL_RANK" in no_master_message(world)
+
+
+def _pmi_server(sock: socket.socket, answers: list[str]) -> threading.Thread:
+    """A PMI server that answers each command with the next of `answers`, then reads one more and hangs up."""
+    def serve():
+        with sock, sock.makefile("rw") as stream:
+            for answer in answers:
+                if not stream.readline():
+                    return
+                stream.write(answer + "\n")
+                stream.flush()
+            stream.readline()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("answers, message", [
+    (["cmd=response_to_init pmi_version=1 pmi_subversion=1 rc=0", "cmd=my_kvsname kvsname=kvs_1",
+      "cmd=put_result rc=-1 msg=duplicate", "cmd=finalize_ack"],
+     r"PMI: cmd=put answered 'cmd=put_result rc=-1 msg=duplicate', expected cmd=put_result rc=0"),
+    (["cmd=response_to_init pmi_version=1 pmi_subversion=1 rc=0"],
+     r"PMI: cmd=get_my_kvsname failed: the PMI server closed the connection"),
+])
+def test_a_pmi_server_that_refuses_or_goes_away_is_said_plainly(answers, message):
+    ours, theirs = socket.socketpair()
+    server = _pmi_server(theirs, answers)
+    with ours, pytest.raises(PmiError, match=message):
+        share_from_rank0(ours.fileno(), 0, "10.0.0.1", timeout_s=5)
+    server.join(5)
