@@ -37,6 +37,10 @@ Run from the repository root:
     .venv/bin/python benchmarks/launch.py              # 3 repeats
     .venv/bin/python benchmarks/launch.py --quick      # 1 run each, no warm-up
     .venv/bin/python benchmarks/launch.py --repeat 5 --json launch.json
+    .venv/bin/python benchmarks/launch.py --runners    # 16 ranks: the ssh, pdsh, openmpi, mpich runners
+
+`--runners` measures something else (benchmarks/_runners_bench.py): how long `crew run` takes to start 16
+ranks on 4 loopback sshd nodes and see them exit, per runner, with and without the preflight.
 """
 
 from __future__ import annotations
@@ -436,8 +440,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds before one launch is stopped and counted as failed "
                              "(default 120)")
+    parser.add_argument("--runners", action="store_true",
+                        help="only the runner comparison: 16 ranks on 4 loopback nodes with ssh, pdsh, openmpi, mpich")
     args = parser.parse_args(argv)
     repeat = 1 if args.quick else max(1, args.repeat)
+    if args.runners:
+        import _runners_bench  # benchmarks/ is on sys.path: this script's folder
+
+        return _runners_bench.main(repeat, args.timeout)
     warmup = 0 if args.quick else max(0, args.warmup)
 
     import torch  # only for the version line; the job itself runs in the launched processes
