@@ -190,10 +190,15 @@ def settle(world: MpiWorld, environ: Mapping[str, str], timeout_s: float) -> Mpi
     DeepSpeed's mpi_discovery), else over Hydra's PMI socket; else a CrewError saying what to pass."""
     if world.master_addr is not None and world.local_rank is not None:
         return world
-    if importlib.util.find_spec("mpi4py") is not None:
-        return _with_mpi4py(world)
     pmi_fd = environ.get("PMI_FD", "")
-    if world.local_rank is not None and pmi_fd.isdigit():
+    over_pmi = world.local_rank is not None and pmi_fd.isdigit()
+    if importlib.util.find_spec("mpi4py") is not None:
+        try:
+            return _with_mpi4py(world)
+        except ForeignMpi4py:
+            if not over_pmi:
+                raise
+    if over_pmi:  # mpi4py's MPI_Init as a singleton left Hydra's PMI socket alone
         from crew.runtime import pmi
 
         address = pmi.share_from_rank0(int(pmi_fd), world.rank, host_address() if world.rank == 0 else None,
@@ -230,15 +235,20 @@ def host_address() -> str:
     return out[0] if out else socket.gethostbyname(socket.gethostname())
 
 
+class ForeignMpi4py(CrewError):
+    """mpi4py is built against another MPI than the mpirun that started the job (it sees a world of one)."""
+
+
 def _with_mpi4py(world: MpiWorld) -> MpiWorld:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     if (comm.Get_rank(), comm.Get_size()) != (world.rank, world.world_size):
-        raise CrewError(f"mpi4py sees rank {comm.Get_rank()} of {comm.Get_size()} where {world.describe()} says "
+        raise ForeignMpi4py(f"mpi4py sees rank {comm.Get_rank()} of {comm.Get_size()} where {world.describe()} says "
                         f"rank {world.rank} of {world.world_size}: this mpi4py was built against another MPI "
                         "than the mpirun that started the job. Reinstall it for this one (MPICC=<its mpicc> "
-                        "pip install --no-binary mpi4py mpi4py) or pass -x MASTER_ADDR=... -x MASTER_PORT=...")
+                        "pip install --no-binary mpi4py mpi4py), or pass MASTER_ADDR and MASTER_PORT to every rank "
+                             "(Open MPI: -x MASTER_ADDR=<rank 0's host>; MPICH, Intel MPI: -genv MASTER_ADDR <host>).")
     address = world.master_addr or comm.bcast(host_address() if world.rank == 0 else None, root=0)
     local_rank = world.local_rank
     if local_rank is None:  # as DeepSpeed: the ranks before this one on a host of the same name
