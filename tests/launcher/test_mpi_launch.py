@@ -159,10 +159,14 @@ def test_plan_shows_each_mpirun_command(here):
         assert words[0] == f"{mpi.FLAVOURS[launcher].ssh_env}={ssh}"
         assert words[2:8] == ["-n", "2", "-ppn", "1", "-hosts", "node-a,node-b"]
     assert commands["impi"][8:11] == ["-genv", "I_MPI_PIN", "0"]
-    for words in commands.values():  # --launcher_args after crew's options, then the node agent
+    for launcher, words in commands.items():  # --launcher_args after crew's options, then the node agent
         start = words.index("--bind-to")
         assert words[start:start + 4] == ["--bind-to", "none", "sh", "-c"]
-        assert "--node_rank mpi" in words[start + 4] and "--watch stdout" in words[start + 4]
+        agent = words[start + 4]
+        assert "--node_rank mpi" in agent
+        # Open MPI gives crew's stdin to every agent (the spec, the preflight's go, EOF); Hydra to one only
+        assert ("--stdin all" in shlex.join(words)) == (launcher == "openmpi")
+        assert ("--watch stdout" in agent and "--spec_b64" in agent) == (launcher != "openmpi")
 
 
 def test_mpi_errors_before_anything_starts(here, monkeypatch):

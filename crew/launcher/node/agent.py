@@ -525,7 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in mpi_identity(os.environ):
             del os.environ[name]
     with pidfile.saved(job.save_pid):  # --save_pid
-        return run(job, args.node_rank, watch_stdin=args.watch == "stdin", wait_for_go=args.preflight)
+        code = run(job, args.node_rank, watch_stdin=args.watch == "stdin", wait_for_go=args.preflight)
+    # Under mpirun the codes travel in `done`: a non-zero exit would make mpirun abort the other nodes' agents
+    # itself (Open MPI: SIGKILL a second after SIGTERM), overtaking crew's orderly stop of every node.
+    return 0 if under_mpi else code
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -196,14 +196,16 @@ def mpi_launches(job: JobSpec, python: str, ports: Sequence[int | None], launche
                  ssh_args: Sequence[str] = (), extra: Sequence[str] = (), venv: str | None = None,
                  launcher_args: Sequence[str] = ()) -> list[AgentLaunch]:
     """One mpirun for every node (mpi.py): each node's agent is a shell that goes to the launching directory,
-    sources --venv_script and becomes the agent, which takes its node from its MPI rank. The spec is in argv
-    and the agents watch their stdout, as under pdsh. A crew killed outright takes mpirun down with SIGTERM,
-    on which it stops its daemons and every agent."""
-    command = remote_command(python, job, MPI_NODE_RANK, *extra, "--spec_b64", job.to_b64(), "--watch", "stdout",
-                             venv=venv)
+    sources --venv_script and becomes the agent, which takes its node from its MPI rank. The spec comes on
+    stdin where mpirun gives it to every agent (Open MPI), else in argv, the agents then watching their
+    stdout, as under pdsh. A crew killed outright takes mpirun down with SIGTERM, on which it stops its
+    daemons and every agent."""
+    on_stdin = mpi.stdin_to_all(launcher, launcher_args)
+    spec = () if on_stdin else ("--spec_b64", job.to_b64(), "--watch", "stdout")
+    command = remote_command(python, job, MPI_NODE_RANK, *extra, *spec, venv=venv)
     ssh = mpi.ssh_words(ports, SSH_OPTIONS, ssh_args, launcher)
     argv, env = mpi.mpi_argv(launcher, binary, job, ["sh", "-c", command], ssh, launcher_args, os.geteuid())
-    return [AgentLaunch(tuple(range(len(job.nodes))), tuple(argv), "mpirun", spec_on_stdin=False, env=env,
+    return [AgentLaunch(tuple(range(len(job.nodes))), tuple(argv), "mpirun", spec_on_stdin=on_stdin, env=env,
                         kill_signal=signal.SIGTERM, chatter=(b"[mpiexec@", b"[proxy:"))]
 
 
