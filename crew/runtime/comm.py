@@ -100,11 +100,13 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
 def _discover_mpi_world(distributed_port: int, timeout: datetime.timedelta, verbose: bool) -> None:
     """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT from MPI's variables into os.environ, as
-    DeepSpeed's discovery sets them, where a launcher did not; nothing for an MPI world of one (no port)."""
+    DeepSpeed's discovery sets them, where a launcher did not. An MPI world of one with none of them set
+    stays the in-memory world of one (no port)."""
     if not mpi_env.needs_discovery(os.environ):
         return
     world = mpi_env.find_mpi_world(os.environ, distributed_port)
-    if world is not None and world.world_size > 1:
+    alone = world is not None and world.world_size == 1 and not any(name in os.environ for name in _LAUNCHER_VARS)
+    if world is not None and not alone:
         _adopt(world, timeout, verbose)
 
 

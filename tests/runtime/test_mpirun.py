@@ -150,3 +150,24 @@ def test_open_mpi_ranks_on_two_machines_without_a_master_say_so_on_every_rank_be
     assert done.stderr.count("no master address is known") == 2
     assert "mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_an_mpi_world_of_one_stays_in_memory_and_auto_mpi_discovery_false_reads_no_mpi(monkeypatch):
+    import torch.distributed as dist
+
+    from crew.runtime import comm
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    comm.init_distributed(dist_backend="gloo")  # `mpirun -n 1`: no store, no port
+    assert dist.get_world_size() == 1 and "MASTER_PORT" not in os.environ
+    comm.destroy_process_group()
+
+    # A rank of two on two machines, told not to look: no MPI is read (looking would raise the no-master error at
+    # once), so a world of one, as without any launcher.
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
+    comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    assert dist.get_world_size() == 1 and "RANK" not in os.environ
