@@ -201,8 +201,13 @@ def settle(world: MpiWorld, environ: Mapping[str, str], timeout_s: float) -> Mpi
     if over_pmi:  # mpi4py's MPI_Init as a singleton left Hydra's PMI socket alone
         from crew.runtime import pmi
 
-        address = pmi.share_from_rank0(int(pmi_fd), world.rank, host_address() if world.rank == 0 else None,
-                                       timeout_s)
+        try:
+            address = pmi.share_from_rank0(int(pmi_fd), world.rank, host_address() if world.rank == 0 else None,
+                                           timeout_s)
+        except pmi.PmiError as error:
+            raise CrewError(f"rank {world.rank} ({world.describe()}) could not learn rank 0's address over PMI: "
+                            f"{error}. Pass it to every rank instead: -genv MASTER_ADDR <rank 0's host> -genv "
+                            "MASTER_PORT 29500 (Open MPI: -x MASTER_ADDR=<host> -x MASTER_PORT=29500).") from None
         return dataclasses.replace(world, master_addr=address, master_from="rank 0's host, shared over PMI")
     raise CrewError(no_master_message(world, pmi_socket=pmi_fd.isdigit()))
 

@@ -144,3 +144,14 @@ def test_a_pmi_server_that_refuses_or_goes_away_is_said_plainly(answers, message
     with ours, pytest.raises(PmiError, match=message):
         share_from_rank0(ours.fileno(), 0, "10.0.0.1", timeout_s=5)
     server.join(5)
+
+
+def test_a_failed_pmi_exchange_says_which_rank_and_the_fix(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)  # no mpi4py, whatever is installed
+    ours, theirs = socket.socketpair()
+    server = _pmi_server(theirs, ["cmd=response_to_init pmi_version=1 pmi_subversion=1 rc=-1"])
+    spread = {**MPICH, "MPI_LOCALNRANKS": "1", "MPI_LOCALRANKID": "0", "PMI_FD": str(ours.fileno())}
+    expected = r"rank 1 \(MPICH.*over PMI: PMI: cmd=init answered .*rc=-1.*-genv MASTER_ADDR"
+    with ours, pytest.raises(CrewError, match=expected):
+        settle(find_mpi_world(spread), spread, timeout_s=5)
+    server.join(5)
