@@ -27,9 +27,9 @@ AML_NCCL_SOCKET_IFNAME = "^docker0,lo"
 
 @dataclasses.dataclass(frozen=True)
 class Flavour:
-    """One MPI's names, each quantity's candidates in order; those present must agree (as DeepSpeed's
-    launcher_helper.env_mapping). The torchrun names at the end of size, local rank and local size are a
-    user's `-x WORLD_SIZE=...` (DeepSpeed's MPICH runner passes WORLD_SIZE and LOCAL_SIZE so)."""
+    """One MPI's names, each quantity's candidates; those present must agree (as DeepSpeed's
+    launcher_helper.env_mapping). Where an MPI sets none, the torchrun names stand in (a user's `-x
+    WORLD_SIZE=...`; DeepSpeed's MPICH runner passes WORLD_SIZE and LOCAL_SIZE so)."""
     name: str
     rank: tuple[str, ...]
     size: tuple[str, ...]
@@ -100,10 +100,9 @@ def find_mpi_world(environ: Mapping[str, str], distributed_port: int = 29500) ->
         return None
     found: dict[str, str] = {}
     rank = _read(environ, flavour.rank, "rank", found, flavour)
-    size = _read(environ, (*flavour.size, "WORLD_SIZE"), "world size", found, flavour)
-    local_rank = _read(environ, (*flavour.local_rank, "LOCAL_RANK"), "local rank", found, flavour)
-    local_size = _read(environ, (*flavour.local_size, "LOCAL_SIZE", "LOCAL_WORLD_SIZE"), "local size", found,
-                       flavour)
+    size = _read(environ, flavour.size, "world size", found, flavour, ("WORLD_SIZE",))
+    local_rank = _read(environ, flavour.local_rank, "local rank", found, flavour, ("LOCAL_RANK",))
+    local_size = _read(environ, flavour.local_size, "local size", found, flavour, ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"))
     if size is None:
         raise CrewError(f"this process was started by {flavour.name} ({_listing(found)}) but nothing says how many "
                         f"ranks there are ({', '.join(flavour.size) or 'no size variable'}, WORLD_SIZE are unset). "
@@ -137,9 +136,13 @@ def _flavour(environ: Mapping[str, str]) -> Flavour | None:
 
 
 def _read(environ: Mapping[str, str], names: tuple[str, ...], what: str, found: dict[str, str],
-          flavour: Flavour) -> int | None:
-    """The one value `names` agree on (those set), None when none is set."""
+          flavour: Flavour, fallback: tuple[str, ...] = ()) -> int | None:
+    """The one value the MPI's `names` agree on (those set); where none is set, the first `fallback` set (a
+    user's -x WORLD_SIZE=..., never checked against the MPI's: as DeepSpeed, the MPI's win); else None."""
     present = {name: environ[name] for name in names if name in environ}
+    if not present:
+        present = {name: environ[name] for name in fallback if name in environ}
+        present = dict(list(present.items())[:1])
     values = set()
     for name, text in present.items():
         try:

@@ -155,3 +155,8 @@ def test_a_failed_pmi_exchange_says_which_rank_and_the_fix(monkeypatch):
     with ours, pytest.raises(CrewError, match=expected):
         settle(find_mpi_world(spread), spread, timeout_s=5)
     server.join(5)
+
+
+def test_the_mpis_own_values_win_over_a_stray_world_size_or_local_rank():
+    world = find_mpi_world({**OPEN_MPI, "WORLD_SIZE": "8", "LOCAL_RANK": "0"})  # `-x LOCAL_RANK=0`: same on every rank
+    assert (world.world_size, world.local_rank) == (2, 1)
