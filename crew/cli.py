@@ -201,8 +201,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _say_notes(launch, console.say, console.info)
     if args.sync:
         sync_code(launch, args, [], console.info)
-    first_preflight = launch.launcher == "pdsh" or (  # no stdin to the agents; over ssh, srun, Open MPI: the gate
-        launch.launcher in mpi.MPI_RUNNERS and not mpi.stdin_to_all(launch.launcher, launch.launcher_args))
+    first_preflight = launch.launcher in ("pdsh", *mpi.MPI_RUNNERS)  # no stdin to the agents; over ssh: the gate
     if not (args.skip_preflight or args.no_ssh_check) and first_preflight:
         from crew.launcher.preflight import doctor
 
@@ -281,11 +280,10 @@ def _next_launch(launch: Launch, run: JobRun, growing: elastic.Elastic | None, a
 
 
 def _preflight_gate(launch: Launch, job, args: argparse.Namespace) -> PreflightGate | None:
-    """Over ssh, srun and Open MPI's mpirun (whose stdin reaches every node), the agents run the preflight's quick
-    checks and wait for the verdict (one login per node); pdsh and Hydra's mpirun give them no stdin to wait on,
-    so there it runs first, on its own, over ssh (cmd_run)."""
-    on_stdin = launch.launcher in ("ssh", "slurm") or mpi.stdin_to_all(launch.launcher, launch.launcher_args)
-    if args.skip_preflight or args.no_ssh_check or not on_stdin:
+    """Over ssh and srun (whose stdin reaches every node), the agents run the preflight's quick checks and
+    wait for the verdict (one ssh login per node); pdsh and mpirun give them no stdin to wait on, so there it
+    runs first, on its own, over ssh (cmd_run)."""
+    if args.skip_preflight or args.no_ssh_check or launch.launcher not in ("ssh", "slurm"):
         return None
     from crew.launcher.preflight import doctor
 

@@ -121,6 +121,16 @@ def test_failing_rank_on_node_two_stops_every_node(cluster, job_dir, launcher):
     assert not left_on_nodes(cluster)  # job_dir: no rank, agent or mpirun left here either
 
 
+# STEPPER whose ranks take 1.5 s to finish on SIGTERM: a stop must give them that (the agents' grace), not
+# Open MPI's one second before SIGKILL.
+SLOW_TO_STOP = STEPPER.replace("import os, sys, time", """import os, signal, sys, time
+    def finish(*_):
+        time.sleep(1.5)
+        open(f"finished{os.environ['RANK']}", "w").close()
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, finish)""")
+
+
 @pytest.mark.parametrize("launcher, sig, code", [
     pytest.param("openmpi", signal.SIGINT, 130, marks=MPIS[0].marks),
     pytest.param("mpich", signal.SIGINT, 130, marks=MPIS[1].marks),
@@ -128,7 +138,7 @@ def test_failing_rank_on_node_two_stops_every_node(cluster, job_dir, launcher):
     pytest.param("mpich", signal.SIGKILL, -9, marks=MPIS[1].marks),  # crew itself killed: mpirun dies with it
 ])
 def test_stopping_crew_leaves_nothing_on_any_node(cluster, job_dir, launcher, sig, code):
-    write_script(job_dir, "step.py", STEPPER)
+    write_script(job_dir, "step.py", SLOW_TO_STOP)
     proc = start_crew("run", "--ssh_args", cluster.ssh_args, "-H", str(cluster.hostfile(slots=2)), "--launcher",
                       launcher, "--skip_preflight", "step.py", cwd=job_dir)
     for rank in range(4):
@@ -137,6 +147,8 @@ def test_stopping_crew_leaves_nothing_on_any_node(cluster, job_dir, launcher, si
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == code, err
     assert not left_on_nodes(cluster)
+    if sig != signal.SIGKILL:  # every rank had its time to finish
+        assert sorted(path.name for path in job_dir.glob("finished*")) == [f"finished{rank}" for rank in range(4)]
 
 
 def test_plan_shows_each_mpirun_command(here):
@@ -159,14 +171,20 @@ def test_plan_shows_each_mpirun_command(here):
         assert words[0] == f"{mpi.FLAVOURS[launcher].ssh_env}={ssh}"
         assert words[2:8] == ["-n", "2", "-ppn", "1", "-hosts", "node-a,node-b"]
     assert commands["impi"][8:11] == ["-genv", "I_MPI_PIN", "0"]
-    for launcher, words in commands.items():  # --launcher_args after crew's options, then the node agent
+    for words in commands.values():  # --launcher_args after crew's options, then the node agent
         start = words.index("--bind-to")
         assert words[start:start + 4] == ["--bind-to", "none", "sh", "-c"]
         agent = words[start + 4]
         assert "--node_rank mpi" in agent
-        # Open MPI gives crew's stdin to every agent (the spec, the preflight's go, EOF); Hydra to one only
-        assert ("--stdin all" in shlex.join(words)) == (launcher == "openmpi")
-        assert ("--watch stdout" in agent and "--spec_b64" in agent) == (launcher != "openmpi")
+        assert "--watch stdout" in agent and "--spec_b64" in agent  # mpirun gives stdin to one process only
+        assert "--stdin" not in words  # Open MPI 4.1's --stdin all hangs with a process on mpirun's own node
+
+
+def test_one_node_here_runs_without_mpirun_as_under_deepspeed(here):
+    result = crew("plan", "--launcher", "mpich", "--num_gpus", "2", "--json", cwd=here)
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["launcher"] == "local"
+    assert "--launcher mpich: one node, this machine: its ranks start without mpirun, as under DeepSpeed" in result.err
 
 
 def test_mpi_errors_before_anything_starts(here, monkeypatch):

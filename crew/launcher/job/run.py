@@ -17,6 +17,8 @@ stdout and stderr (merged, progress bars drawn or thinned) in `console`; the job
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import queue
 import signal
 import statistics
@@ -34,7 +36,7 @@ from crew.launcher.preflight.gate import PreflightGate
 from crew.launcher.job.hangs import HANG_EXIT_CODE, HangWatch
 from crew.launcher.job.holds import Holds, TaskEnd, srun_task_end
 from crew.launcher.job.stalls import StallWatch, format_duration
-from crew.launcher.transport.proc import signal_group, signal_tree
+from crew.launcher.transport.proc import signal_tree
 from crew.launcher.transport.protocol import (GO_COMMAND, PREEMPT_COMMAND, PROGRESS_MARK, STACKS_COMMAND,
                                               WHERE_COMMAND, JobSpec, decode_event, whole_lines)
 from crew.launcher.job.record import FirstFailure, JobRecord
@@ -453,8 +455,9 @@ class JobRun:
                     agent.proc.stdin.close()
                 except (OSError, ValueError):
                     pass
-            elif agent.launch.label == "mpirun":  # Hydra passes SIGTERM to every agent and waits for them
-                signal_group(agent.proc.pid, signal.SIGTERM)
+            elif agent.launch.stop_signal:  # mpirun, alone: it passes the signal to every agent and waits for them
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(agent.proc.pid, agent.launch.stop_signal)
             else:  # pdsh: its agents watch their stdout, which ends with pdsh's ssh clients
                 signal_tree(agent.proc.pid, signal.SIGTERM)
 

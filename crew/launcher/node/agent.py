@@ -445,10 +445,11 @@ def await_go(job: JobSpec, node_rank: int, output: Output) -> float | None:
     return time.monotonic() - asked if line.strip() == GO_COMMAND else None
 
 
-def run(job: JobSpec, node_rank: int, watch_stdin: bool, wait_for_go: bool = False) -> int:
+def run(job: JobSpec, node_rank: int, watch_stdin: bool, wait_for_go: bool = False, under_mpi: bool = False) -> int:
     events: queue.Queue = queue.Queue()
     output = Output(lambda: events.put(("stop", "the launcher is gone")), node_rank, job.line_max)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    # Open MPI's mpirun passes crew's stop on as SIGUSR2 (its SIGTERM kills a second later)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, *((signal.SIGUSR2,) if under_mpi else ())):
         signal.signal(sig, lambda num, _: events.put(("signal", signal.Signals(num).name)))
     # Slurm's --signal=USR1@N (without B:) signals the step's tasks: these agents
     signal.signal(signal.SIGUSR1, lambda num, _: events.put(("preempt", "SIGUSR1 to the crew agent")))
@@ -525,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in mpi_identity(os.environ):
             del os.environ[name]
     with pidfile.saved(job.save_pid):  # --save_pid
-        code = run(job, args.node_rank, watch_stdin=args.watch == "stdin", wait_for_go=args.preflight)
+        code = run(job, args.node_rank, watch_stdin=args.watch == "stdin", wait_for_go=args.preflight,
+                   under_mpi=under_mpi)
     # Under mpirun the codes travel in `done`: a non-zero exit would make mpirun abort the other nodes' agents
     # itself (Open MPI: SIGKILL a second after SIGTERM), overtaking crew's orderly stop of every node.
     return 0 if under_mpi else code

@@ -64,6 +64,9 @@ def resolve(args: argparse.Namespace) -> Launch:
         if getattr(args, "min_nodes", None) else []
     hosts, spares = _with_ssh_port(chosen, args.ssh_port), _with_ssh_port(spares, args.ssh_port)
     launcher = "slurm" if on_slurm else _choose_launcher(args, hosts)
+    if launcher == "local" and args.launcher in mpi.MPI_RUNNERS:
+        notes.append(("info", f"--launcher {args.launcher}: one node, this machine: its ranks start without mpirun, "
+                              "as under DeepSpeed (--force_multi starts mpirun anyway)"))
     launcher, launcher_args, launcher_notes = dsflags.settle_launcher(launcher, args)
     venv, venv_notes = dsflags.venv_script(args, launcher)
     ssh_args = dsflags.ssh_args(os.environ, args.ssh_args)
@@ -134,9 +137,9 @@ def local_devices() -> list[int]:
 def _choose_launcher(args: argparse.Namespace, hosts: list[Host]) -> str:
     launcher = args.launcher
     if launcher is None:
-        here = socket.gethostname()
-        one_here = len(hosts) == 1 and is_local_name(hosts[0].name, here)
-        launcher = "local" if not args.hostfile or (one_here and not args.force_multi) else "ssh"
+        launcher = "local" if not args.hostfile or (one_node_here(hosts) and not args.force_multi) else "ssh"
+    if launcher in mpi.MPI_RUNNERS and not args.force_multi and (not args.hostfile or one_node_here(hosts)):
+        return "local"  # as DeepSpeed: one node, this machine, runs without mpirun (resolve says so)
     if launcher == "local" and len(hosts) > 1:
         raise PlanError(f"--launcher local runs one node, but the plan has {len(hosts)}. "
                         "Use --launcher ssh, or --num_nodes 1.")
@@ -146,6 +149,10 @@ def _choose_launcher(args: argparse.Namespace, hosts: list[Host]) -> str:
     if args.node_rank is not None and not 0 <= args.node_rank < len(hosts):
         raise PlanError(f"--node_rank {args.node_rank}: the plan has nodes 0..{len(hosts) - 1}.")
     return launcher
+
+
+def one_node_here(hosts: list[Host]) -> bool:
+    return len(hosts) == 1 and is_local_name(hosts[0].name, socket.gethostname())
 
 
 def _default_master(launcher: str, first: Host, ssh_args: tuple[str, ...]) -> str:

@@ -6,10 +6,13 @@ once per node, as one srun does under Slurm, and each agent takes its node from 
   each); Hydra (MPICH, Intel MPI, MVAPICH2) `-n N -ppn 1 -hosts h1,h2,...`. Unequal slot counts and the
   --include/--exclude/--num_nodes/--num_gpus filters, which DeepSpeed refuses for these launchers, are fine:
   mpirun places agents, not ranks.
-- Open MPI forwards crew's stdin to every agent (`--stdin all`), as srun's `--input=all` does: the spec,
-  the merged preflight's `go`, `stacks`, `preempt` and EOF (stop) reach every node, as over ssh. Hydra forwards
-  stdin to one process only (as does Open MPI given another --stdin in --launcher_args): there the spec travels
-  in argv (base64, as for pdsh) and the agents watch their stdout for the launcher going away.
+- The spec travels in argv (base64, as for pdsh) and the agents watch their stdout for the launcher going
+  away. mpirun forwards stdin to one process only; Open MPI 4.1's `--stdin all` gives the processes on
+  mpirun's own node an EOF at once and then never exits, so crew does not use it.
+- crew stops the agents with a signal to mpirun alone, which passes it on to every agent and waits for them:
+  Open MPI SIGUSR2 (its SIGTERM gives the processes one second before SIGKILL, odls_base_sigkill_timeout),
+  Hydra SIGTERM. The agents stop their ranks with the usual grace and exit 0 (their codes travel in `done`),
+  so that mpirun never aborts the job itself.
 - No MPI data-transport options (DeepSpeed's `--mca btl ^openib --mca btl_tcp_if_include eth0`, UCX_TLS,
   MV2_*): the agents never call MPI_Init, and the ranks talk over torch.distributed, not MPI. Intel MPI gets
   `-genv I_MPI_PIN 0` as under DeepSpeed: its pinning would bind the agent, and every rank with it, to a
@@ -28,6 +31,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -148,9 +152,9 @@ def check_hosts(hosts: Sequence[str], launcher: str) -> list[str]:
     return list(hosts)
 
 
-def stdin_to_all(launcher: str, launcher_args: Sequence[str]) -> bool:
-    """Whether mpirun gives its stdin to every agent: Open MPI's `--stdin all`, unless --launcher_args choose."""
-    return launcher == "openmpi" and not has_option(launcher_args, "--stdin", "-stdin")
+def stop_signal(launcher: str) -> signal.Signals:
+    """What crew sends mpirun (alone) to stop every agent gracefully: mpirun passes it on to each."""
+    return signal.SIGUSR2 if launcher == "openmpi" else signal.SIGTERM
 
 
 def has_option(words: Sequence[str], *names: str) -> bool:
@@ -176,9 +180,7 @@ def mpi_argv(launcher: str, binary: str, job: JobSpec, agent: Sequence[str], ssh
             and environ.get("OMPI_ALLOW_RUN_AS_ROOT") != "1"
         rsh = [] if has_option(launcher_args, "plm_rsh_args") or not ssh_text else \
             ["--mca", "plm_rsh_args", ssh_text]
-        stdin = ["--stdin", "all"] if stdin_to_all(launcher, launcher_args) else []
-        argv = [binary, "-n", count, "--host", ",".join(hosts), *(["--allow-run-as-root"] if root else []), *stdin,
-                *rsh]
+        argv = [binary, "-n", count, "--host", ",".join(hosts), *(["--allow-run-as-root"] if root else []), *rsh]
         return [*argv, *launcher_args, *agent], {}
     flavour = FLAVOURS[launcher]
     pin = ["-genv", "I_MPI_PIN", "0"] if launcher == "impi" else []

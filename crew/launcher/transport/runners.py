@@ -63,6 +63,7 @@ class AgentLaunch:
     # its tasks; a SIGKILLed srun leaves them running until the allocation ends.
     kill_signal: signal.Signals = signal.SIGKILL
     chatter: tuple[bytes, ...] = ()  # how its own stderr lines start: kept off the console once crew stops
+    stop_signal: signal.Signals | None = None  # mpirun: how to ask it alone to stop (it passes it on to the agents)
 
 
 def start(launch: AgentLaunch) -> subprocess.Popen:
@@ -196,17 +197,17 @@ def mpi_launches(job: JobSpec, python: str, ports: Sequence[int | None], launche
                  ssh_args: Sequence[str] = (), extra: Sequence[str] = (), venv: str | None = None,
                  launcher_args: Sequence[str] = ()) -> list[AgentLaunch]:
     """One mpirun for every node (mpi.py): each node's agent is a shell that goes to the launching directory,
-    sources --venv_script and becomes the agent, which takes its node from its MPI rank. The spec comes on
-    stdin where mpirun gives it to every agent (Open MPI), else in argv, the agents then watching their
-    stdout, as under pdsh. A crew killed outright takes mpirun down with SIGTERM, on which it stops its
-    daemons and every agent."""
-    on_stdin = mpi.stdin_to_all(launcher, launcher_args)
-    spec = () if on_stdin else ("--spec_b64", job.to_b64(), "--watch", "stdout")
-    command = remote_command(python, job, MPI_NODE_RANK, *extra, *spec, venv=venv)
+    sources --venv_script and becomes the agent, which takes its node from its MPI rank. The spec is in argv
+    and the agents watch their stdout, as under pdsh; crew stops them with a signal mpirun passes on
+    (`mpi.stop_signal`). A crew killed outright takes mpirun down with SIGTERM, on which it stops its daemons
+    and every agent."""
+    command = remote_command(python, job, MPI_NODE_RANK, *extra, "--spec_b64", job.to_b64(), "--watch", "stdout",
+                             venv=venv)
     ssh = mpi.ssh_words(ports, SSH_OPTIONS, ssh_args, launcher)
     argv, env = mpi.mpi_argv(launcher, binary, job, ["sh", "-c", command], ssh, launcher_args, os.geteuid())
-    return [AgentLaunch(tuple(range(len(job.nodes))), tuple(argv), "mpirun", spec_on_stdin=on_stdin, env=env,
-                        kill_signal=signal.SIGTERM, chatter=(b"[mpiexec@", b"[proxy:"))]
+    return [AgentLaunch(tuple(range(len(job.nodes))), tuple(argv), "mpirun", spec_on_stdin=False, env=env,
+                        kill_signal=signal.SIGTERM, chatter=(b"[mpiexec@", b"[proxy:"),
+                        stop_signal=mpi.stop_signal(launcher))]
 
 
 def ssh_config(host: str, port: int | None, ssh_args: Sequence[str] = ()) -> dict:
