@@ -135,6 +135,7 @@ SLOW_TO_STOP = STEPPER.replace("import os, sys, time", """import os, signal, sys
     pytest.param("openmpi", signal.SIGINT, 130, marks=MPIS[0].marks),
     pytest.param("mpich", signal.SIGINT, 130, marks=MPIS[1].marks),
     pytest.param("openmpi", signal.SIGTERM, 143, marks=MPIS[0].marks),
+    pytest.param("mpich", signal.SIGTERM, 143, marks=MPIS[1].marks),
     pytest.param("mpich", signal.SIGKILL, -9, marks=MPIS[1].marks),  # crew itself killed: mpirun dies with it
 ])
 def test_stopping_crew_leaves_nothing_on_any_node(cluster, job_dir, launcher, sig, code):
@@ -149,6 +150,9 @@ def test_stopping_crew_leaves_nothing_on_any_node(cluster, job_dir, launcher, si
     assert not left_on_nodes(cluster)
     if sig != signal.SIGKILL:  # every rank had its time to finish
         assert sorted(path.name for path in job_dir.glob("finished*")) == [f"finished{rank}" for rank in range(4)]
+    if sig == signal.SIGTERM:  # a preemption notice: crew sent mpirun SIGUSR1, which it passed on to every agent
+        assert "SIGTERM received: stopping every rank on every node; ranks whose config has crew's" in err
+        assert "preempted: no checkpoint was saved" in err
 
 
 def test_plan_shows_each_mpirun_command(here):

@@ -271,7 +271,10 @@ class JobRun:
 
     def _tell_agents(self, command: bytes) -> None:
         for agent in self.agents:
-            if agent.launch.spec_on_stdin:
+            if command == PREEMPT_COMMAND and agent.launch.stop_signal:  # mpirun passes SIGUSR1 on to every agent
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(agent.proc.pid, signal.SIGUSR1)
+            elif agent.launch.spec_on_stdin:
                 try:
                     agent.proc.stdin.write(command + b"\n")
                     agent.proc.stdin.flush()
@@ -418,7 +421,8 @@ class JobRun:
             self._kill_agents()
             return
         self.interrupted = name
-        if name in preempt.NOTICE_SIGNALS and self.agents and all(a.launch.spec_on_stdin for a in self.agents):
+        if name in preempt.NOTICE_SIGNALS and self.agents and all(a.launch.spec_on_stdin or a.launch.stop_signal
+                                                                  for a in self.agents):
             self._preempt(preempt.notice_line(name, self.job.preempt_grace))
             return
         self.console.say(f"{name} received: stopping every rank on every node.")
