@@ -35,7 +35,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--gpus-per-node", "--cpus-per-task", "--signal", "--requeue",  # sbatch, salloc
     "--batch",  # scancel
     "--no-deps", "--only-binary", "--python-version", "--platform", "--no-index", "--target",  # pip
-    "--host", "--mca", "--allow-run-as-root", "--prefix", "--version", "--stdin",  # mpirun (Open MPI)
+    "--host", "--mca", "--allow-run-as-root", "--prefix", "--version", "--stdin", "--bind-to",  # mpirun (Open MPI)
     "--hostfil",  # misspelt on purpose: docs/launch.md shows crew's "did you mean --hostfile?"
 }
 

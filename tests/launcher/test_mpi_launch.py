@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -52,6 +53,7 @@ TRAIN = """
                                            "MASTER_ADDR", "MASTER_PORT", "CREW_HOST", "OMPI_COMM_WORLD_RANK",
                                            "PMI_RANK", "PMIX_RANK")}
     seen["node"] = os.environ.get("SSH_CONNECTION", "").split()[2:3]
+    seen["cpus"] = len(os.sched_getaffinity(0))
     seen["losses"] = losses
     json.dump(seen, open(f"rank{dist.get_rank()}.json", "w"))
     dist.destroy_process_group()
@@ -103,6 +105,7 @@ def test_torch_job_gets_torchrun_variables_and_the_ssh_runners_losses(cluster, j
     assert [s["node"] for s in seen] == [[s["CREW_HOST"]] for s in seen] == [["127.0.0.2"]] * 2 + [["127.0.0.3"]] * 2
     assert {(s["OMPI_COMM_WORLD_RANK"], s["PMI_RANK"], s["PMIX_RANK"]) for s in seen} == {(None, None, None)}
     assert seen[0]["losses"] == ssh_losses
+    assert {s["cpus"] for s in seen} == {len(os.sched_getaffinity(0))}  # mpirun bound no agent to a core
     assert f"launcher {launcher}" in result.err and "preflight: 2 node(s) agree" in result.err
     assert result.err.strip().splitlines()[-1].startswith("crew: job ")
     assert "succeeded · 4 ranks on 2 nodes" in result.err
@@ -170,6 +173,7 @@ def test_plan_shows_each_mpirun_command(here):
     assert openmpi[1:5] == ["-n", "2", "--host", "node-a,node-b"]
     assert openmpi[openmpi.index("plm_rsh_args") + 1] == ssh
     assert "btl" not in openmpi and "-x" not in openmpi  # no MPI transport options: the agents use no MPI
+    assert openmpi.count("--bind-to") == 1  # --launcher_args' own, not crew's "--bind-to none" as well
     for launcher in ("mpich", "impi", "mvapich"):
         words = commands[launcher]
         assert words[0] == f"{mpi.FLAVOURS[launcher].ssh_env}={ssh}"

@@ -12,7 +12,10 @@ once per node, as one srun does under Slurm, and each agent takes its node from 
 - crew stops the agents with a signal to mpirun alone, which passes it on to every agent and waits for them:
   Open MPI SIGUSR2 (its SIGTERM gives the processes one second before SIGKILL, odls_base_sigkill_timeout),
   Hydra SIGTERM. The agents stop their ranks with the usual grace and exit 0 (their codes travel in `done`),
-  so that mpirun never aborts the job itself.
+  so that mpirun never aborts the job itself. A preemption notice goes to mpirun as SIGUSR1, which both pass on.
+- One node on this machine runs without mpirun, as under DeepSpeed (launch.resolve).
+- Open MPI gets `--bind-to none` (unless --launcher_args say --bind-to): by default it binds a job of one or two
+  processes per node to one core, and every rank inherits its agent's cores.
 - No MPI data-transport options (DeepSpeed's `--mca btl ^openib --mca btl_tcp_if_include eth0`, UCX_TLS,
   MV2_*): the agents never call MPI_Init, and the ranks talk over torch.distributed, not MPI. Intel MPI gets
   `-genv I_MPI_PIN 0` as under DeepSpeed: its pinning would bind the agent, and every rank with it, to a
@@ -180,7 +183,9 @@ def mpi_argv(launcher: str, binary: str, job: JobSpec, agent: Sequence[str], ssh
             and environ.get("OMPI_ALLOW_RUN_AS_ROOT") != "1"
         rsh = [] if has_option(launcher_args, "plm_rsh_args") or not ssh_text else \
             ["--mca", "plm_rsh_args", ssh_text]
-        argv = [binary, "-n", count, "--host", ",".join(hosts), *(["--allow-run-as-root"] if root else []), *rsh]
+        bind = [] if has_option(launcher_args, "--bind-to", "-bind-to") else ["--bind-to", "none"]
+        argv = [binary, "-n", count, "--host", ",".join(hosts), *(["--allow-run-as-root"] if root else []), *bind,
+                *rsh]
         return [*argv, *launcher_args, *agent], {}
     flavour = FLAVOURS[launcher]
     pin = ["-genv", "I_MPI_PIN", "0"] if launcher == "impi" else []
