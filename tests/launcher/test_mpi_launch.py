@@ -174,6 +174,10 @@ def test_plan_shows_each_mpirun_command(here):
     assert openmpi[openmpi.index("plm_rsh_args") + 1] == ssh
     assert "btl" not in openmpi and "-x" not in openmpi  # no MPI transport options: the agents use no MPI
     assert openmpi.count("--bind-to") == 1  # --launcher_args' own, not crew's "--bind-to none" as well
+    # the MPI Operator's kubexec.sh (not ssh) reaches the pods: crew's ssh options would break it
+    result = crew("plan", "-H", "hosts", "--launcher", "openmpi", "train.py", cwd=here,
+                  env={"OMPI_MCA_plm_rsh_agent": "/etc/mpi/kubexec.sh"})
+    assert result.code == 0 and "--mca plm_rsh_args" not in result.out and "--bind-to none" in result.out
     for launcher in ("mpich", "impi", "mvapich"):
         words = commands[launcher]
         assert words[0] == f"{mpi.FLAVOURS[launcher].ssh_env}={ssh}"

@@ -24,6 +24,7 @@ once per node, as one srun does under Slurm, and each agent takes its node from 
   to mpirun's own ssh calls: OpenMPI `--mca plm_rsh_args`, Hydra HYDRA_LAUNCHER_EXTRA_ARGS, Intel MPI
   I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS. Both split that text at spaces, without quoting, so a word with a
   space in it is refused, as are different ssh ports per host (one option string serves every host).
+  Not for Open MPI when plm_rsh_agent (OMPI_MCA_plm_rsh_agent, or --mca in --launcher_args) is not ssh.
 - Root: OpenMPI's mpirun refuses to run as root; crew passes `--allow-run-as-root` when it runs as root,
   since mpirun starts only crew's agents (containers often run as root).
 """
@@ -170,6 +171,18 @@ def has_option(words: Sequence[str], *names: str) -> bool:
     return False
 
 
+def _rsh_is_ssh(launcher_args: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """Whether Open MPI reaches the nodes with ssh: not when plm_rsh_agent names another program (the MPI
+    Operator's kubexec.sh, rsh), which crew's ssh options would break."""
+    agent = environ.get("OMPI_MCA_plm_rsh_agent", "")
+    for index, word in enumerate(launcher_args[:-1]):
+        if word in ("--mca", "-mca") and launcher_args[index + 1] in ("plm_rsh_agent", "orte_rsh_agent") \
+                and index + 2 < len(launcher_args):
+            agent = launcher_args[index + 2]
+    program = agent.split()[0] if agent.split() else "ssh"
+    return os.path.basename(program) == "ssh"
+
+
 def mpi_argv(launcher: str, binary: str, job: JobSpec, agent: Sequence[str], ssh: Sequence[str],
              launcher_args: Sequence[str] = (), euid: int | None = None,
              environ: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
@@ -181,8 +194,8 @@ def mpi_argv(launcher: str, binary: str, job: JobSpec, agent: Sequence[str], ssh
     if launcher == "openmpi":
         root = euid == 0 and not has_option(launcher_args, "--allow-run-as-root", "-allow-run-as-root") \
             and environ.get("OMPI_ALLOW_RUN_AS_ROOT") != "1"
-        rsh = [] if has_option(launcher_args, "plm_rsh_args") or not ssh_text else \
-            ["--mca", "plm_rsh_args", ssh_text]
+        ssh_given = ssh_text and _rsh_is_ssh(launcher_args, environ) and not has_option(launcher_args, "plm_rsh_args")
+        rsh = ["--mca", "plm_rsh_args", ssh_text] if ssh_given else []
         bind = [] if has_option(launcher_args, "--bind-to", "-bind-to") else ["--bind-to", "none"]
         argv = [binary, "-n", count, "--host", ",".join(hosts), *(["--allow-run-as-root"] if root else []), *bind,
                 *rsh]
