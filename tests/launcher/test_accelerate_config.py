@@ -80,8 +80,8 @@ TRAIN = """
             "mixed_precision": accelerator.mixed_precision,
             "env": {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}}
     json.dump(seen, open(f"rank{accelerator.process_index}.json", "w"))
-    # Release the DDP model before the group goes (as crew's engine does at exit): left to interpreter
-    # shutdown, gloo can abort a rank that finished fine once rank 0, which holds the store, is gone (docs/accelerate.md).
+    # Release the DDP model before the group goes (as crew's engine does at exit): left to interpreter shutdown,
+    # gloo can abort a rank that finished fine once rank 0, which holds the store, is gone (docs/accelerate.md).
     del model, optimizer, loader
     accelerator.free_memory()
     accelerator.wait_for_everyone()
