@@ -195,6 +195,19 @@ def test_command_line_options_win_over_the_yaml(here):
     assert env_of(args)["ACCELERATE_MIXED_PRECISION"] == "no"  # the user's --env comes last: it wins
 
 
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich", "mvapich"])
+def test_the_yamls_mpi_launcher_is_crews_mpi_runner(here, launcher):
+    (here / "hosts").write_text("a slots=2\nb slots=2\n")
+    name = yaml_file(here, "distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 4\n"
+                     f"deepspeed_config:\n  deepspeed_hostfile: hosts\n  deepspeed_multinode_launcher: {launcher}\n")
+    args, _ = applied("--config_file", name)
+    assert (args.launcher, args.hostfile, args.num_nodes, args.num_gpus) == (launcher, "hosts", 2, 2)
+    without_hostfile = yaml_file(here, "distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 4\n"
+                                 f"deepspeed_config:\n  deepspeed_multinode_launcher: {launcher}\n", "b.yaml")
+    with pytest.raises(CrewError, match=f"deepspeed_multinode_launcher: {launcher} starts the machines"):
+        applied("--config_file", without_hostfile)
+
+
 def test_crew_env_defaults_win_over_the_yaml(here, monkeypatch):
     monkeypatch.setenv("CREW_NUM_GPUS", "1")
     args, _ = applied("--config_file", yaml_file(here, "distributed_type: MULTI_CPU\nnum_processes: 4\n"))

@@ -30,9 +30,10 @@ from crew.launcher.plan.launch import LOCAL_HOST
 ACCELERATE_PORT = 29500  # accelerate launch's main_process_port when none is given
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
 # deepspeed_multinode_launcher -> crew's runner. "standard" and "nossh" start each machine by hand
-# (torchrun on each, DeepSpeed's --no_ssh): crew's standalone. crew has no MPI runner: ssh starts those.
+# (torchrun on each, DeepSpeed's --no_ssh): crew's standalone. The MPI ones are crew's MPI runners.
 LAUNCHERS = {"pdsh": "pdsh", "ssh": "ssh", "standard": "standalone", "nossh": "standalone",
-             "slurm": "slurm", "openmpi": "ssh", "mvapich": "ssh", "mpich": "ssh"}
+             "slurm": "slurm", "openmpi": "openmpi", "mvapich": "mvapich", "mpich": "mpich"}
+HOSTFILE_LAUNCHERS = ("pdsh", "ssh", "openmpi", "mvapich", "mpich")  # they start the machines of a hostfile
 MULTI_TYPES = ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",
                "MULTI_HPU", "MULTI_NEURON")
 REFUSED_TYPES = ("FSDP", "MEGATRON_LM", "XLA")
@@ -338,7 +339,7 @@ def launch_options(config: AccelerateConfig, args: argparse.Namespace) -> dict[s
     if config.num_machines > 1 and launcher == "slurm":  # the allocation's nodes, as a hostfile's hosts
         options["num_nodes"] = config.num_machines
     elif config.num_machines > 1 and (not hostfile or launcher == "standalone"):
-        if options["launcher"] in ("pdsh", "ssh") and not hostfile:
+        if options["launcher"] in HOSTFILE_LAUNCHERS and not hostfile:
             raise CrewError(f"{config.path}: deepspeed_multinode_launcher: {options['launcher']} starts the "
                             "machines of deepspeed_hostfile, and there is none. Add deepspeed_hostfile (or "
                             "--hostfile), or use the standard launcher and run crew on each machine.")
