@@ -214,9 +214,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         timing.mark("preflight")
     code, run, restarts = _run_attempts(launch, args, console, timing)
     timing.mark("exit")
+    job = run.job
     console.say(summary.closing_line(summary.Ending(
-        run.job.job_id, run.status, code, run.job.world_size, len(run.job.nodes), timing.elapsed(), launch.launcher,
-        run.job.cwd, run.failure, tuple(run.outputs), run.job.log_dir, restarts)))
+        job_id=job.job_id, status=run.status, exit_code=code, world_size=job.world_size, nodes=len(job.nodes),
+        wall_s=timing.elapsed(), launcher=launch.launcher, cwd=job.cwd, failure=run.failure,
+        outputs=tuple(run.outputs), log_dir=job.log_dir, restarts=restarts)))
     if timing.enabled:
         console.say(timing.line())
     if code == PREEMPTED_EXIT_CODE:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from crew.errors import PREEMPTED_EXIT_CODE
 from crew.launcher.job.record import FirstFailure
 
 LOCAL_LAUNCHERS = ("local", "standalone")
@@ -55,11 +54,11 @@ def _how(ending: Ending) -> str:
         if failure is not None and failure.rank is not None:
             first = f"; rank {failure.rank} on {failure.host} failed first"
         return f"failed (exit code {ending.exit_code}{first})"
-    if ending.status == "preempted" or ending.exit_code == PREEMPTED_EXIT_CODE:
+    if ending.status == "preempted":
         return f"was preempted (exit code {ending.exit_code}: the same command resumes)"
     if ending.status == "interrupted":
         return f"was stopped (exit code {ending.exit_code})"
-    return "succeeded" if ending.exit_code == 0 else f"ended with exit code {ending.exit_code}"
+    return "succeeded"
 
 
 def _results(ending: Ending) -> list[str]:
