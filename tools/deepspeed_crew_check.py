@@ -48,9 +48,8 @@ ATTRIBUTES = {
 # DeepSpeed names crew refuses on purpose (a key covers the names under it), with what the error crew raises
 # says besides the name. None is on a path a ZeRO 0-3 data-parallel run takes.
 REFUSED = {
-    "deepspeed.runtime.sequence_parallel": "sequence parallelism",  # Ulysses SP (sequence_parallel_size > 1)
-    "deepspeed.utils.groups": "model/sequence/expert-parallel groups",  # read for Ulysses SP only
-    "deepspeed.tp_model_init": "tensor parallelism",  # transformers, with tensor_parallel.autotp_size > 1
+    "deepspeed.runtime.sequence_parallel": "Ulysses sequence parallelism",  # (sequence_parallel_size > 1)
+    "deepspeed.tp_model_init": "tensor parallelism, AutoTP",  # transformers, with tensor_parallel.autotp_size > 1
     # not in DeepSpeed 0.19.8 either: ESMFold catches the AttributeError (crew's is one) and goes on
     "deepspeed.utils.is_initialized": "is not supported by crew",
 }

@@ -18,18 +18,17 @@ UNSUPPORTED = {
     "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernels",
     "compression": "model compression",
     "profiling": "the flops profiler",
-    "sequence": "sequence parallelism",
+    "sequence": "Megatron-style DistributedAttention; crew's Ulysses SP is deepspeed.runtime.sequence_parallel",
     "sequence_parallel": "Ulysses sequence parallelism",
+    "tp_model_init": "tensor parallelism, AutoTP",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine",
     "sparse_attention": "sparse attention (removed from DeepSpeed 0.19 too)",
     "launcher": "DeepSpeed's launcher: `crew run` starts the job",
     "checkpoint": "DeepSpeed's checkpoint reshaping: where DeepSpeed is installed, its tools read crew's checkpoints",
     "lamb": "DeepSpeed's FusedLamb CUDA kernel",
-    "groups": "DeepSpeed's model/sequence/expert-parallel groups",
-    "tp_model_init": "tensor parallelism, AutoTP",
 }
-_WHAT_CREW_DOES = ("crew runs data-parallel training with ZeRO stages 0-3 (docs/engine.md in its source lists what "
-                   "it provides)")
+_WHAT_CREW_DOES = ("crew runs data-parallel training with ZeRO stages 0-3, Ulysses sequence parallelism and AutoTP "
+                   "tensor parallelism (docs/engine.md in its source lists what it provides)")
 
 
 class UnsupportedAttribute(CrewError, AttributeError):

@@ -6,7 +6,7 @@ import argparse
 
 from crew.errors import ConfigError, CrewError, install_excepthook
 from crew.log import log_rank0
-from crew.runtime import comm
+from crew.runtime import comm, parallel
 from crew.runtime.balance import Balancer
 from crew.runtime.config import ignored_keys, load_config
 from crew.runtime.data import DataLoader
@@ -22,12 +22,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """Returns (engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize."""
     if model is None:
         raise CrewError("initialize() needs model=<your torch.nn.Module>.")
-    if mpu is not None or mesh_param is not None:
-        raise CrewError("initialize(mpu=..., mesh_param=...): model/pipeline parallelism is not "
-                        "supported by crew yet; crew runs data parallel (with ZeRO).")
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    resolved = load_config(config, world_size=comm.get_world_size(), args=args,
-                           config_params=config_params)
+    _join_layout(mpu, mesh_param)
+    resolved = load_config(config, world_size=comm.get_world_size(), args=args, config_params=config_params,
+                           sequence_parallel=parallel.sequence_parallel_size())
     engine = Engine(model, resolved, optimizer, model_parameters, lr_scheduler)
     given = config if config is not None else config_params
     # DeepSpeed's engine.config: the caller's dict itself, or the file's as loaded
@@ -50,6 +48,36 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if no_effect:
         log_rank0("config keys accepted, but with no effect in crew: %s", ", ".join(no_effect))
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _join_layout(mpu, mesh_param) -> None:
+    """initialize(mpu=...) as Hugging Face passes it for Ulysses SP (the module register_with_transformers
+    returned), or mesh_param=(data parallel, sequence parallel) as DeepSpeed's initialize takes it."""
+    if mesh_param is not None:
+        data, sequence = _mesh_sizes(mesh_param)
+        parallel.init_sequence_parallel(sequence, where=f"initialize(mesh_param={tuple(mesh_param)})")
+        if data * sequence != comm.get_world_size():
+            raise ConfigError(f"initialize(mesh_param={tuple(mesh_param)}): {data} x {sequence} ranks, but the job "
+                              f"has {comm.get_world_size()}; pass (world size / sequence parallel size, "
+                              "sequence parallel size).")
+    if mpu is None:
+        return
+    size = getattr(mpu, "get_sequence_parallel_world_size", None)
+    if size is None:
+        raise CrewError(f"initialize(mpu={type(mpu).__name__}): a Megatron-style model-parallel unit is not "
+                        "supported by crew; crew takes the one UlyssesSPAttentionHF.register_with_transformers "
+                        "returns (Ulysses sequence parallelism). For tensor parallelism use the config's "
+                        "tensor_parallel.autotp_size.")
+    parallel.init_sequence_parallel(size(), where="initialize(mpu=...)")
+
+
+def _mesh_sizes(mesh_param) -> tuple[int, int]:
+    try:
+        data, sequence = (int(size) for size in mesh_param)
+    except (TypeError, ValueError):
+        raise ConfigError(f"initialize(mesh_param={mesh_param!r}): expected (data parallel size, sequence "
+                          "parallel size), two whole numbers.") from None
+    return data, sequence
 
 
 def _attach_loader(balancer: Balancer, loader: DataLoader | None, source: str) -> None:

@@ -35,6 +35,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from crew.errors import ConfigError
 from crew.log import warn_once
+from crew.runtime.config_file import _json_type, read_json
 from crew.runtime.batch import (PER_RANK_KEY, BatchSizeError, resolve_after_world_change, resolve_batch_sizes,
                                 resolve_per_rank)
 
@@ -311,7 +312,7 @@ class _BatchKeys(BaseModel):
 # data_types is read from the raw config (crew/runtime/casting.py, the engine's get_data_types), and
 # communication_data_type (the engine's property; stage 3 reduces in it)
 _TOP_KEYS = (frozenset(Config.model_fields) - {"world_size", "source", "raw", "auto_balance"}
-             | {"bfloat16", "data_types", "communication_data_type"})
+             | {"bfloat16", "data_types", "communication_data_type", "sequence_parallel_size"})
 _DEEPSPEED_ONLY = frozenset({
     "aio", "allgather_size", "amp", "autotuning", "comet",
     "comms_logger", "compile", "compression_training",
@@ -319,7 +320,7 @@ _DEEPSPEED_ONLY = frozenset({
     "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
     "flops_profiler", "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level",
     "managed_gradient_accumulation", "memory_breakdown", "nebula", "pipeline", "progressive_layer_drop",
-    "quantize_training", "seq_parallel_communication_data_type", "sequence_parallel_size",
+    "quantize_training", "seq_parallel_communication_data_type",
     "sparse_attention", "sparse_gradients", "tensor_parallel", "timers", "torch_autocast",
     "trackio", "use_data_before_expert_parallelism", "vocabulary_size", "weight_quantization",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"})
@@ -487,12 +488,6 @@ def _describe(error: Mapping[str, Any], prefix: str = "") -> str:
     return f"{key} {shown}: {error['msg']}"
 
 
-def _json_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-             dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
 def _hint(value: Any, kind: str) -> str:
     """How to write the value the way the key wants it, when that is obvious."""
     if isinstance(value, float) and value.is_integer() and kind == "int_type":
@@ -512,7 +507,8 @@ def _hint(value: Any, kind: str) -> str:
 
 
 def load_config(config: str | os.PathLike | Mapping[str, Any] | Config | None = None, world_size: int = 1,
-                args: Any = None, config_params: Mapping[str, Any] | None = None) -> Config:
+                args: Any = None, config_params: Mapping[str, Any] | None = None,
+                sequence_parallel: int = 1) -> Config:
     """Pick the config the way deepspeed.initialize does, load it and resolve it for `world_size`.
 
     `config` (path or dict), else `config_params`, else `args.deepspeed_config` (or the legacy
@@ -532,13 +528,35 @@ def load_config(config: str | os.PathLike | Mapping[str, Any] | Config | None = 
             "no DeepSpeed config given. Pass --deepspeed_config ds.json on the command line (add the flag "
             "with crew.add_config_arguments(parser)) or config=<path or dict> to crew.initialize().")
     if isinstance(chosen, Config):
-        return chosen if chosen.world_size == world_size else Config.from_dict(chosen.raw, world_size,
-                                                                               chosen.source)
-    if isinstance(chosen, Mapping):
-        return Config.from_dict(chosen, world_size)
-    if isinstance(chosen, (str, os.PathLike)):
-        return Config.from_dict(read_json(Path(chosen)), world_size, source=str(chosen))
-    raise ConfigError(f"{argument} must be a path or a dict, got {type(chosen).__name__}.")
+        raw, source = chosen.raw, chosen.source
+    elif isinstance(chosen, Mapping):
+        raw, source = chosen, "<dict>"
+    elif isinstance(chosen, (str, os.PathLike)):
+        raw, source = read_json(Path(chosen)), str(chosen)
+    else:
+        raise ConfigError(f"{argument} must be a path or a dict, got {type(chosen).__name__}.")
+    world_size = _data_parallel_world(raw, world_size, sequence_parallel, source)
+    if isinstance(chosen, Config) and chosen.world_size == world_size:
+        return chosen
+    return Config.from_dict(raw, world_size, source)
+
+
+def _data_parallel_world(raw: Mapping[str, Any], world_size: int, sequence_parallel: int, source: str) -> int:
+    """The ranks DeepSpeed's batch math counts (its config.py): world / the sequence-parallel size, from the SP
+    groups (initialize(mpu=...)) or else the config's sequence_parallel_size; both given, they must agree."""
+    declared = raw.get("sequence_parallel_size") if isinstance(raw, Mapping) else None
+    if declared is None:
+        return world_size // sequence_parallel
+    if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+        raise ConfigError(f"{source}: sequence_parallel_size = {declared!r}: expected a whole number >= 1.")
+    if sequence_parallel != 1 and declared != sequence_parallel:
+        raise ConfigError(f"{source}: sequence_parallel_size = {declared}, but the sequence-parallel groups have "
+                          f"{sequence_parallel} ranks (UlyssesSPAttentionHF.register_with_transformers("
+                          f"sequence_parallel_size={sequence_parallel})); set both to the same size.")
+    if world_size % declared:
+        raise ConfigError(f"{source}: sequence_parallel_size = {declared} does not divide the {world_size} ranks "
+                          "of this job: run a multiple of it, or set it to a divisor of the world size.")
+    return world_size // declared
 
 
 def _config_from_args(args: Any) -> str | None:
@@ -551,48 +569,3 @@ def _config_from_args(args: Any) -> str | None:
                           "drop --deepscale_config (its old name).")
     _warn("--deepscale_config is deprecated; use --deepspeed_config.")
     return legacy
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file (looked for {path.absolute()}). "
-                          "Check the --deepspeed_config or config= path.") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: cannot read the config file: {err}.") from None
-    try:
-        data = json.loads(text, object_pairs_hook=lambda pairs: _no_duplicates(pairs, path))
-    except json.JSONDecodeError as err:
-        message = f"{path}, line {err.lineno}, column {err.colno}: invalid JSON: {err.msg}"
-        if not text.strip():  # hjson reads an empty file as {}: surely a mistake
-            raise ConfigError(f"{message} (the file is empty).") from None
-        data = _read_hjson(text, path, message)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the config must be a JSON object {{...}}, got {_json_type(data)}.")
-    return data
-
-
-def _read_hjson(text: str, path: Path, json_error: str) -> Any:
-    """DeepSpeed reads config files with hjson (comments, trailing commas, unquoted keys); so does crew when
-    the optional hjson package is installed."""
-    try:
-        import hjson
-    except ImportError:
-        raise ConfigError(f"{json_error}. DeepSpeed reads config files as hjson (comments, trailing commas): "
-                          "`pip install hjson` and crew does too, or make the file plain JSON.") from None
-    try:
-        return hjson.loads(text, object_pairs_hook=lambda pairs: _no_duplicates(pairs, path))
-    except hjson.HjsonDecodeError as err:
-        raise ConfigError(f"{json_error}; nor is it hjson (line {err.lineno}, column {err.colno}: {err.msg}).") \
-            from None
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]], path: Path) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ConfigError(f"{path}: key '{key}' appears twice in one object (DeepSpeed refuses this "
-                              "too); keep one.")
-        seen[key] = value
-    return seen
