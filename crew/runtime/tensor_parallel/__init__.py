@@ -1,0 +1,16 @@
+"""AutoTP tensor-parallel training, with DeepSpeed 0.19.8's names and meaning.
+
+The DS config's `"tensor_parallel": {"autotp_size": N}` (or `deepspeed.tp_model_init(model, N, dtype)` before
+`initialize`) splits the model's linear layers over groups of N contiguous ranks (crew/runtime/parallel.py):
+attention q/k/v and MLP gate/up column-wise, o/down row-wise with an all-reduce (layers.py), the output head
+column-wise with its output gathered; embeddings and norms stay whole on every rank.
+
+For checkpoints: sharded parameters carry `crew_tp_dim` (layers.TP_DIM), `gather_full(param)` and
+`local_slice(whole, param)` convert between a rank's slice and the whole weight; state_dict() keys are the
+model's own.
+"""
+
+from crew.runtime.tensor_parallel.layers import (TP_DIM, LinearAllreduce, LinearLayer, gather_full, is_sharded,
+                                                 local_slice)
+
+__all__ = ["TP_DIM", "LinearAllreduce", "LinearLayer", "gather_full", "is_sharded", "local_slice"]

@@ -1,0 +1,153 @@
+"""AutoTP's parallel linear layers (DeepSpeed 0.19.8's module_inject/layers.py), as plain local shards.
+
+    LinearLayer       column parallel: weight [out / tp, in]; input replicated, output split on its last dim
+                      (gather_output=True: the output all-gathered whole, as DeepSpeed's training lm_head)
+    LinearAllreduce   row parallel: weight [out, in / tp]; input split on its last dim, the partial outputs
+                      all-reduced over the TP group, then the (replicated) bias added
+
+Each rank's weight is an ordinary nn.Parameter holding its slice (no DTensor), so DDP, ZeRO 1-2 and any
+torch optimizer see plain tensors. The TP collectives are autograd Functions (Megatron's f/g operators).
+
+For checkpoints: a sharded parameter carries `crew_tp_dim`, the dimension of the whole weight it is split
+along (0: column, 1: row); replicated parameters have no such attribute. `gather_full(param)` rebuilds the
+whole weight (a collective over the TP group), `local_slice(whole, param)` cuts this rank's slice from a whole
+tensor. Module attribute names stay `weight` / `bias`, so state_dict() keys are the model's own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from crew.runtime import parallel
+
+TP_DIM = "crew_tp_dim"
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward: identity. Backward: sum the input gradient over the TP group (each rank saw all of it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward: sum the partial outputs over the TP group. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Forward: all-gather the last dim. Backward: this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+def _shard(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return tensor.detach().chunk(size, dim=dim)[rank].clone()
+
+
+def _mark(param: torch.nn.Parameter, dim: int, source: torch.nn.Parameter) -> torch.nn.Parameter:
+    setattr(param, TP_DIM, dim)
+    param.requires_grad_(source.requires_grad)
+    return param
+
+
+class LinearLayer(torch.nn.Module):
+    """Column-parallel nn.Linear: this rank's rows of the weight (and bias)."""
+
+    def __init__(self, linear: torch.nn.Linear, group, gather_output: bool = False, name: str | None = None):
+        super().__init__()
+        self.mp_group, self.name, self.gather_output = group, name, gather_output
+        self.tp_world_size = dist.get_world_size(group)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = _mark(torch.nn.Parameter(_shard(linear.weight, 0, group)), 0, linear.weight)
+        self.bias = None if linear.bias is None else \
+            _mark(torch.nn.Parameter(_shard(linear.bias, 0, group)), 0, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(_CopyToTP.apply(x, self.mp_group), self.weight, self.bias)
+        return _GatherFromTP.apply(out, self.mp_group) if self.gather_output else out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (this rank: "
+                f"{self.weight.shape[0]}), bias={self.bias is not None}, gather_output={self.gather_output}")
+
+
+class LinearAllreduce(torch.nn.Module):
+    """Row-parallel nn.Linear: this rank's columns of the weight; the bias stays whole (added once, after
+    the all-reduce)."""
+
+    def __init__(self, linear: torch.nn.Linear, group, name: str | None = None):
+        super().__init__()
+        self.mp_group, self.name = group, name
+        self.tp_world_size = dist.get_world_size(group)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = _mark(torch.nn.Parameter(_shard(linear.weight, 1, group)), 1, linear.weight)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(),
+                                                                        requires_grad=linear.bias.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _ReduceFromTP.apply(torch.nn.functional.linear(x, self.weight), self.mp_group)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    return getattr(param, TP_DIM, None) is not None
+
+
+def gather_full(param: torch.Tensor, group=None) -> torch.Tensor:
+    """The whole tensor of a TP-sharded parameter (all-gathered over the TP group, every rank must call it);
+    a replicated one as it is (detached)."""
+    dim = getattr(param, TP_DIM, None)
+    if dim is None:
+        return param.detach()
+    group = group if group is not None else parallel.tensor_parallel_group()
+    parts = [torch.empty_like(param.detach()) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, param.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def local_slice(whole: torch.Tensor, param: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's slice of `whole` (a tensor the shape of the whole weight) for the parameter `param`; `whole`
+    itself for a replicated parameter. No communication."""
+    dim = getattr(param, TP_DIM, None)
+    if dim is None:
+        return whole
+    group = group if group is not None else parallel.tensor_parallel_group()
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if whole.shape[dim] % size:
+        raise ValueError(f"a whole tensor of shape {tuple(whole.shape)} does not split in {size} equal parts "
+                         f"along dim {dim} (the tensor-parallel size)")
+    return whole.chunk(size, dim=dim)[rank]
