@@ -49,7 +49,6 @@ ATTRIBUTES = {
 # says besides the name. None is on a path a ZeRO 0-3 data-parallel run takes.
 REFUSED = {
     "deepspeed.runtime.sequence_parallel": "Ulysses sequence parallelism",  # (sequence_parallel_size > 1)
-    "deepspeed.tp_model_init": "tensor parallelism, AutoTP",  # transformers, with tensor_parallel.autotp_size > 1
     # not in DeepSpeed 0.19.8 either: ESMFold catches the AttributeError (crew's is one) and goes on
     "deepspeed.utils.is_initialized": "is not supported by crew",
 }

@@ -29,7 +29,17 @@ TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 __all__ = ["ConfigError", "CrewError", "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine",
            "TORCH_DISTRIBUTED_DEFAULT_PORT", "__version__", "accelerator", "add_config_arguments", "checkpointing",
-           "comm", "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "ops", "zero"]
+           "comm", "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "ops", "tp_model_init",
+           "zero"]
+
+
+def tp_model_init(model, tp_size: int, dtype, config=None, **kwargs):
+    """DeepSpeed 0.19.8's: record-only (the model is split in initialize, from the merged config); returns
+    `model` itself. `config` is not read here, as in DeepSpeed."""
+    from crew.runtime.tensor_parallel import setup
+    if hasattr(model, "ds_autotp_parsed"):
+        logger.warning("ds_autotp_parsed' attribute already exists in the model; tp_model_init is now record-only.")
+    return setup.record(model, tp_size, dtype, kwargs.get("tp_group"))
 
 
 def __getattr__(name: str):

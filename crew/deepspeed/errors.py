@@ -20,7 +20,6 @@ UNSUPPORTED = {
     "profiling": "the flops profiler",
     "sequence": "Megatron-style DistributedAttention; crew's Ulysses SP is deepspeed.runtime.sequence_parallel",
     "sequence_parallel": "Ulysses sequence parallelism",
-    "tp_model_init": "tensor parallelism, AutoTP",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine",
     "sparse_attention": "sparse attention (removed from DeepSpeed 0.19 too)",
     "launcher": "DeepSpeed's launcher: `crew run` starts the job",

@@ -11,6 +11,8 @@ from crew.runtime.balance import Balancer
 from crew.runtime.config import ignored_keys, load_config
 from crew.runtime.data import DataLoader
 from crew.runtime.engine import Engine
+from crew.runtime.tensor_parallel import config as tp_config
+from crew.runtime.tensor_parallel import setup as tp_setup
 
 install_excepthook()
 
@@ -24,6 +26,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise CrewError("initialize() needs model=<your torch.nn.Module>.")
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     _join_layout(mpu, mesh_param)
+    config, config_params = tp_setup.merged_config(config), tp_setup.merged_config(config_params)  # tp_model_init
     resolved = load_config(config, world_size=comm.get_world_size(), args=args, config_params=config_params,
                            sequence_parallel=parallel.sequence_parallel_size())
     engine = Engine(model, resolved, optimizer, model_parameters, lr_scheduler)
@@ -34,7 +37,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if training_data is not None:
         on_gpu = engine.device.type == "cuda"  # DeepSpeed's loader: pinned, 2 workers per GPU
         micro = engine.balancer.sizes if engine.balancer else resolved.train_micro_batch_size_per_gpu
-        loader = DataLoader(training_data, micro, engine.world_size, engine.global_rank,
+        # under AutoTP the ranks of a TP group read the same samples: the loader shards over data parallelism
+        ranks = engine.dp_world_size if engine.mp_world_size > 1 else engine.world_size
+        loader = DataLoader(training_data, micro, ranks, engine.global_rank // engine.mp_world_size,
                             collate_fn=collate_fn, drop_last=resolved.dataloader_drop_last,
                             num_workers=2 if on_gpu else 0, pin_memory=on_gpu,
                             reshuffle=resolved.dataloader_reshuffle_each_epoch)
@@ -42,7 +47,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if engine.balancer is not None:
         _attach_loader(engine.balancer, loader, resolved.source)
     engine.log_batch_math(len(loader) if loader is not None else None)
-    no_effect = ignored_keys(resolved) + engine.zero.no_effect_keys()
+    no_effect = ignored_keys(resolved) + engine.zero.no_effect_keys() + tp_config.no_effect_keys(
+        resolved.raw.get("tensor_parallel"))
     if "communication_data_type" in resolved.raw and not engine.zero.shards_params:
         no_effect.append("communication_data_type")  # stages 0-2 reduce in the model's dtype
     if no_effect:

@@ -38,6 +38,7 @@ from crew.log import warn_once
 from crew.runtime.config_file import _json_type, read_json
 from crew.runtime.batch import (PER_RANK_KEY, BatchSizeError, resolve_after_world_change, resolve_batch_sizes,
                                 resolve_per_rank)
+from crew.runtime.tensor_parallel import config as tp_config
 
 __all__ = ["ActivationCheckpointingConfig", "BF16Config", "BatchSizeError", "Config", "ConfigWarning",
            "FP16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ignored_keys", "load_config",
@@ -312,7 +313,7 @@ class _BatchKeys(BaseModel):
 # data_types is read from the raw config (crew/runtime/casting.py, the engine's get_data_types), and
 # communication_data_type (the engine's property; stage 3 reduces in it)
 _TOP_KEYS = (frozenset(Config.model_fields) - {"world_size", "source", "raw", "auto_balance"}
-             | {"bfloat16", "data_types", "communication_data_type", "sequence_parallel_size"})
+             | {"bfloat16", "data_types", "communication_data_type", "sequence_parallel_size", "tensor_parallel"})
 _DEEPSPEED_ONLY = frozenset({
     "aio", "allgather_size", "amp", "autotuning", "comet",
     "comms_logger", "compile", "compression_training",
@@ -321,7 +322,7 @@ _DEEPSPEED_ONLY = frozenset({
     "flops_profiler", "gradient_allreduce_op", "graph_harvesting", "hybrid_engine", "log_level",
     "managed_gradient_accumulation", "memory_breakdown", "nebula", "pipeline", "progressive_layer_drop",
     "quantize_training", "seq_parallel_communication_data_type",
-    "sparse_attention", "sparse_gradients", "tensor_parallel", "timers", "torch_autocast",
+    "sparse_attention", "sparse_gradients", "timers", "torch_autocast",
     "trackio", "use_data_before_expert_parallelism", "vocabulary_size", "weight_quantization",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"})
 _ZERO_DEEPSPEED_ONLY = frozenset({
@@ -373,6 +374,7 @@ _SECTIONS = {
     "data_types": (frozenset({"buffer_dtype", "keep_in_fp32_modules", "grad_accum_dtype"}), frozenset({"param_dtype"})),
     "checkpoint": (frozenset(CheckpointConfig.model_fields), frozenset({
         "load_universal", "parallel_write", "tag_validation", "use_node_local_storage"})),
+    "tensor_parallel": (tp_config.IMPLEMENTED, frozenset()),  # checked by crew/runtime/tensor_parallel/config.py
 }
 
 

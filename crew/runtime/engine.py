@@ -26,7 +26,8 @@ import torch
 
 from crew.errors import ConfigError
 from crew.log import log_rank0, warn_once
-from crew.runtime import balance, casting, checkpoint, comm, preemption, registry, zero
+from crew.runtime import (balance, casting, checkpoint, comm, gradnorm, parallel, preemption, registry,
+                          tensor_parallel, zero)
 from crew.runtime.accessors import DeepSpeedAccessors
 from crew.runtime.config import Config
 from crew.runtime.monitor import Monitor, step_events
@@ -65,13 +66,18 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
         self.local_rank = comm.get_local_rank()
         self.world_size = comm.get_world_size()
         self.device = _device(self.local_rank)
-        self.zero = zero.Zero(config.zero_optimization, self.world_size, self.device)
+        # AutoTP splits the model first (as DeepSpeed); data parallelism is then over the ranks holding one slice
+        self.tp_section, tp_replaced = tensor_parallel.prepare(model, config)
+        self.mp_world_size = parallel.tensor_parallel_size()
+        self.dp_world_size = self.seq_dp_world_size = parallel.data_parallel_size()
+        self.zero = zero.Zero(config.zero_optimization, self.world_size, self.device, parallel.data_parallel_group())
         self.precision: Precision = make_precision(config.fp16, config.bf16, sharded=self.zero.shards_params,
                                                    offload=self.zero.offload if self.zero.offload_optimizer else None)
         self.balancer = balance.make(config, self.global_rank, self.device, self.zero.stage)
         self.module, replaced = self._place(model)
         self._ddp = self.zero.wrap_ddp(model)
-        built = self._optimizer(optimizer, model_parameters, replaced)
+        built = self._optimizer(optimizer, model_parameters, tp_replaced or replaced)
+        tensor_parallel.mark_masters(self.precision)
         if self.zero.stage > 0 and built is not None and not _zero_tested(built):
             # DeepSpeed 0.19.8 asks for zero_allow_untested_optimizer here; crew trains it either way
             warn_once("**** You are using ZeRO with an untested optimizer, proceed with caution *****")
@@ -190,7 +196,7 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
         if self._ddp is not None and not self._armed_sync and self._sync_this_backward():
             # the boundary was set after the forward (Accelerate sets it just before backward): DDP did
             # not reduce during this backward, so reduce now, as DeepSpeed does at stage 0-1 after it
-            _average_grads(self.module.parameters())
+            _average_grads(self.module.parameters(), group=parallel.data_parallel_group())
         if self.balancer is not None:
             self.balancer.backward_done()
         self.grads_pending = True
@@ -268,6 +274,21 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
 
     # -- DeepSpeed's accessors (the rest: crew/runtime/accessors.py) ---------------------------
 
+    def autotp_size(self) -> int:
+        return self.tp_section.autotp_size
+
+    def tensor_parallel_config(self):
+        return self.tp_section
+
+    def _clip_and_record_norm(self, params: list[torch.Tensor]) -> None:
+        if self.mp_world_size == 1:
+            return super()._clip_and_record_norm(params)
+        # the whole model's norm: the slices' squares summed over the TP group, the replicated ones once
+        norm = tensor_parallel.grad_norm(params, self.device, self.zero.partitioned and self.dp_world_size > 1)
+        if self.crew_config.gradient_clipping > 0:
+            gradnorm.clip_([p.grad for p in params if p.grad is not None], self.crew_config.gradient_clipping, norm)
+        self._global_grad_norm, self._step_applied = norm.float(), True
+
     def train_batch_size(self) -> int:
         return self.crew_config.train_batch_size
 
@@ -324,6 +345,11 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
             split = f"micro {self.train_micro_batch_size_per_gpu()} × {accumulation} × {self.world_size} ranks"
         else:
             split = f"micro {self.balancer.describe()} × {accumulation}"
+        sequence = self.sequence_parallel_size
+        if sequence > 1:  # each sample is split over `sequence` ranks; each rank's loader batch is one micro step
+            split = split.replace(f"{self.world_size} ranks", f"{parallel.data_parallel_size()} data-parallel ranks "
+                                  f"({self.world_size} / sequence parallel {sequence})")
+            batches_per_epoch = None if batches_per_epoch is None else batches_per_epoch * sequence
         line = f"{split} = {self.train_batch_size()} per step"
         if batches_per_epoch is not None:
             line += f"; {batches_per_epoch // self.gradient_accumulation_steps()} steps per epoch"
@@ -333,8 +359,8 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
 Engine = DeepSpeedEngine  # crew's own name
 
 
-def _average_grads(params: Iterable[torch.Tensor], bucket_elements: int = 1 << 24) -> None:
-    """All-reduce (average) every gradient across ranks, in flat buckets of one dtype."""
+def _average_grads(params: Iterable[torch.Tensor], bucket_elements: int = 1 << 24, group=None) -> None:
+    """All-reduce (average) every gradient across the ranks of `group` (None: all), in flat buckets of one dtype."""
     from crew.runtime.zero.stage2 import chunks  # torch.distributed.optim: seconds to import, on use only
 
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -344,7 +370,7 @@ def _average_grads(params: Iterable[torch.Tensor], bucket_elements: int = 1 << 2
     for grads in by_dtype.values():
         for bucket in chunks(grads, bucket_elements):
             flat = torch.cat([grad.reshape(-1) for grad in bucket])
-            comm.all_reduce(flat, op=comm.ReduceOp.AVG)
+            comm.all_reduce(flat, op=comm.ReduceOp.AVG, group=group)
             offset = 0
             for grad in bucket:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))

@@ -60,9 +60,11 @@ _BUCKET_KEYS = ("reduce_bucket_size",)  # stages 0-2: DDP's or stage 2's bucket 
 class Zero:
     """The `zero_optimization` section, checked, and the means to apply it to a model."""
 
-    def __init__(self, section: Any, world_size: int, device: torch.device) -> None:
+    def __init__(self, section: Any, world_size: int, device: torch.device, group=None) -> None:
         self.stage = section.stage
-        self.world_size = world_size
+        # under AutoTP, data parallelism (DDP, ZeRO's owners) is over `group`: the ranks holding one TP slice
+        self.group = group
+        self.world_size = world_size if group is None else torch.distributed.get_world_size(group)
         self.device = device
         extra = dict(section.model_extra or {})
         self.wrap_rule = _wrap_rule(extra.get("wrap", "blocks"))
@@ -103,7 +105,7 @@ class Zero:
         # a frozen model (TRL's reference/reward/teacher models at stage 0) has nothing for DDP to reduce
         if self.stage == 2 or self.reduce_to_owners or not any(p.requires_grad for p in model.parameters()):
             from crew.runtime.zero import stage2  # torch.distributed.optim: seconds to import, on use only
-            stage2.broadcast_module(model, self.bucket_elements)
+            stage2.broadcast_module(model, self.bucket_elements, self.group)
             return None
         from torch.nn.parallel import DistributedDataParallel
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -114,7 +116,7 @@ class Zero:
         dtype = next((p.dtype for p in model.parameters()), torch.float32)
         size = torch.tensor([], dtype=dtype).element_size()
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True,
-                                       bucket_cap_mb=elements * size / 2**20)
+                                       bucket_cap_mb=elements * size / 2**20, process_group=self.group)
 
     def shard(self, model: torch.nn.Module, compute_dtype: torch.dtype | None,
               reduce_dtype: torch.dtype) -> dict[int, torch.nn.Parameter]:
@@ -178,14 +180,14 @@ class Zero:
                 from crew.runtime.zero import stage2
                 partitioned = stage2.partition(optimizer, cls, defaults, precision, self.bucket_elements,
                                                self.device, reduce_gradients=self.stage == 2 or self.reduce_to_owners,
-                                               to_owners=self.reduce_to_owners, stage=self.stage)
+                                               to_owners=self.reduce_to_owners, stage=self.stage, group=self.group)
                 self.grads, self.partitioned = partitioned.grads, True
                 return _stepping_for(optimizer, partitioned)
             # The same group dicts: a scheduler built on `optimizer` still sets the lr that is used. Its owners'
             # parameters come back by all-gather (param_sync.py), not a broadcast per parameter
             return _stepping_for(optimizer, GatheringZeroRedundancyOptimizer(
                 optimizer.param_groups, chunk_elements=self.bucket_elements or 500_000_000, optimizer_class=cls,
-                **defaults))
+                process_group=self.group, **defaults))
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"zero_optimization.stage {self.stage} rebuilds the optimizer as ZeroRedundancyOptimizer("

@@ -28,10 +28,11 @@ CALL_BYTES = 1 << 18  # a call costs about what sending 256 KiB does (20 us at 1
 Scratch = Callable[[torch.dtype, torch.device, int], "torch.Tensor | None"]  # a spare flat buffer, if one is kept
 
 
-def sync_from_owners(shares: list[list[torch.Tensor]], chunk_elements: int, scratch: Scratch | None = None) -> None:
-    """`shares[r]`: the tensors rank r owns and has updated (the same list on every rank). Afterwards every
-    rank holds every owner's values. `scratch` may lend the all-gather's output buffer."""
-    world = dist.get_world_size()
+def sync_from_owners(shares: list[list[torch.Tensor]], chunk_elements: int, scratch: Scratch | None = None,
+                     group=None) -> None:
+    """`shares[r]`: the tensors rank r of `group` (None: the world) owns and has updated (the same list on every
+    rank). Afterwards every rank holds every owner's values. `scratch` may lend the all-gather's output buffer."""
+    world = dist.get_world_size(group)
     if world == 1:
         return
     for per_rank in _by_kind(shares, world):
@@ -39,12 +40,12 @@ def sync_from_owners(shares: list[list[torch.Tensor]], chunk_elements: int, scra
         contiguous = all(tensor.is_contiguous() for tensors in per_rank for tensor in tensors)
         piece, calls = _gather_plan(lengths, chunk_elements, per_rank) if contiguous else (0, 0)
         if calls:
-            _all_gather(per_rank, piece, calls, scratch)
+            _all_gather(per_rank, piece, calls, scratch, group)
         for owner, tensors in enumerate(per_rank):  # what the all-gather left out: the owner broadcasts it
             rest = [tensor.detach().view(-1)[start:start + count] if count < tensor.numel() else tensor
                     for tensor, start, _, count in _spans(tensors, piece * calls, lengths[owner])]
             if rest:
-                broadcast_flat(rest, owner, chunk_elements)
+                broadcast_flat(rest, owner, chunk_elements, group=group)
 
 
 def _gather_plan(lengths: list[int], chunk_elements: int, per_rank: list[list[torch.Tensor]]) -> tuple[int, int]:
@@ -74,10 +75,11 @@ def _by_kind(shares: list[list[torch.Tensor]], world: int) -> list[list[list[tor
 
 
 @torch.no_grad()
-def _all_gather(per_rank: list[list[torch.Tensor]], piece: int, calls: int, scratch: Scratch | None) -> None:
+def _all_gather(per_rank: list[list[torch.Tensor]], piece: int, calls: int, scratch: Scratch | None,
+                group=None) -> None:
     """`calls` all-gathers of `piece` elements from each rank: call k carries elements [k x piece, (k+1) x
     piece) of each owner's share (its tensors end to end, zeros past its end)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     sample = next(tensor for tensors in per_rank for tensor in tensors)
     wire = _wire_device() or sample.device
     out = scratch(sample.dtype, wire, world * piece) if scratch is not None else None
@@ -90,7 +92,7 @@ def _all_gather(per_rank: list[list[torch.Tensor]], piece: int, calls: int, scra
         send.zero_()
         for tensor, start, at, count in _spans(per_rank[rank], low, low + piece):
             send[at:at + count].copy_(tensor.detach().view(-1)[start:start + count])
-        gather(out, send)
+        gather(out, send, group=group)
         for owner, tensors in enumerate(per_rank):
             if owner != rank:
                 received = out[owner * piece:(owner + 1) * piece]
@@ -115,20 +117,21 @@ class GatheringZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
 
     def __init__(self, params, *, chunk_elements: int, **kwargs) -> None:
         self._chunk_elements = chunk_elements
+        self._sync_group = kwargs.get("process_group")
         super().__init__(params, **kwargs)
 
     @torch.no_grad()
     def _sync_params(self) -> None:
         shares = [[param for group in groups for param in group["params"]] for groups in self._partition_parameters()]
-        sync_from_owners(shares, self._chunk_elements)
+        sync_from_owners(shares, self._chunk_elements, group=self._sync_group)
 
 
 def broadcast_flat(tensors: list[torch.Tensor], source: int, chunk_elements: int,
-                   keep: bool = True) -> list[torch.Tensor]:
-    """Broadcast `tensors` from rank `source` into the same tensors elsewhere (unless not `keep`:
-    then only their shapes matter): each large one in place, the others flattened in chunks of one
+                   keep: bool = True, group=None) -> list[torch.Tensor]:
+    """Broadcast `tensors` from rank `source` of `group` (None: the world) into the same tensors elsewhere (unless
+    not `keep`: then only their shapes matter): each large one in place, the others flattened in chunks of one
     dtype (one collective per chunk, not one per tensor). Returns them."""
-    receiving = dist.get_rank() != source
+    receiving = dist.get_rank(group) != source
     handles = []
     wire = _wire_device()
     for tensor in (t for t in tensors if t.numel() >= OWN_COLLECTIVE):  # the same choice on every rank
@@ -138,19 +141,19 @@ def broadcast_flat(tensors: list[torch.Tensor], source: int, chunk_elements: int
             buffer = tensor.detach()
         else:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=wire or tensor.device)
-        handles.append((tensor, buffer, dist.broadcast(buffer, source, async_op=True)))
+        handles.append((tensor, buffer, dist.broadcast(buffer, group=group, group_src=source, async_op=True)))
         if not keep:
             handles.pop()[2].wait()  # not kept: one at a time
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for tensor in (t for t in tensors if t.numel() < OWN_COLLECTIVE):
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for (dtype, device), group in by_kind.items():
-        for chunk in chunks(group, chunk_elements):
+    for (dtype, device), same_kind in by_kind.items():
+        for chunk in chunks(same_kind, chunk_elements):
             if not receiving:
                 flat = torch.cat([tensor.detach().reshape(-1) for tensor in chunk]).to(wire or device)
             else:
                 flat = torch.empty(sum(t.numel() for t in chunk), dtype=dtype, device=wire or device)
-            dist.broadcast(flat, source)
+            dist.broadcast(flat, group=group, group_src=source)
             if receiving and keep:
                 offset = 0
                 for tensor in chunk:

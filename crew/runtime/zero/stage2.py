@@ -125,7 +125,7 @@ class _Bucket:
     def complete(self) -> bool:
         return all(self.filled)
 
-    def launch(self, world_size: int, pool: _BufferPool, to_owners: bool) -> None:
+    def launch(self, world_size: int, pool: _BufferPool, to_owners: bool, group=None) -> None:
         """Average over the ranks (async): into every rank (all-reduce), or with `to_owners` each owner's
         slice into its owner only (a reduce per owner). A gradient that did not come here counts as zero."""
         if self.buffer is None:
@@ -136,9 +136,10 @@ class _Bucket:
         flat = self.buffer[:self.numel]
         flat.div_(world_size)  # first, as DDP does: the sum of fp16 gradients stays in range
         if to_owners:
-            self.works = [dist.reduce(flat[start:end], owner, async_op=True) for owner, start, end in self.slices]
+            self.works = [dist.reduce(flat[start:end], group=group, group_dst=owner, async_op=True)
+                          for owner, start, end in self.slices]
         else:
-            self.works = [dist.all_reduce(flat, async_op=True)]
+            self.works = [dist.all_reduce(flat, group=group, async_op=True)]
 
     def wait(self) -> None:
         for work in self.works:
@@ -172,8 +173,9 @@ class GradientPartition:
     `boundary_only`, stage 1's: added up whole in `.grad` and reduced at the accumulation boundary only)."""
 
     def __init__(self, owners: list[tuple[torch.Tensor, int]], bucket_elements: int, device: torch.device,
-                 to_owners: bool = False, boundary_only: bool = False) -> None:
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+                 to_owners: bool = False, boundary_only: bool = False, group=None) -> None:
+        self.group = group  # the data-parallel group (None: the world); owners are its ranks
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = device
         self.to_owners = to_owners  # use_multi_rank_bucket_allreduce false: reduce each owner's slice to it
         # stage 1: gradients accumulate whole in .grad over the micro steps and are reduced at the boundary only
@@ -250,7 +252,7 @@ class GradientPartition:
     def _launch(self, bucket: _Bucket) -> None:
         if self.on_ready is not None:
             self.on_ready()
-        bucket.launch(self.world_size, self.pool, self.to_owners)
+        bucket.launch(self.world_size, self.pool, self.to_owners, self.group)
         self._next += 1
         self._launched.append(bucket)
         while len(self._launched) > IN_FLIGHT:
@@ -348,7 +350,8 @@ class PartitionedOptimizer(ZeroRedundancyOptimizer):
         self._before_broadcast()
         shares = [[self.model_param(tensor) for group in groups for tensor in group["params"]]
                   for groups in self._partition_parameters()]
-        sync_from_owners(shares, self._bucket_elements, self.grads.pool.lend if self.grads is not None else None)
+        sync_from_owners(shares, self._bucket_elements, self.grads.pool.lend if self.grads is not None else None,
+                         group=self.process_group)
 
     @torch.no_grad()
     def gather_masters(self, keep: bool) -> dict[int, torch.Tensor]:
@@ -362,7 +365,7 @@ class PartitionedOptimizer(ZeroRedundancyOptimizer):
                        if id(tensor) in self._model_param_of]
             receive = keep and rank != self.rank
             pieces = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors] if receive else tensors
-            broadcast_flat(pieces, rank, self._bucket_elements, keep=keep)
+            broadcast_flat(pieces, rank, self._bucket_elements, keep=keep, group=self.process_group)
             if keep:
                 gathered.update((id(self.model_param(tensor)), piece) for tensor, piece in zip(tensors, pieces))
         return gathered
@@ -383,12 +386,12 @@ class PartitionedOptimizer(ZeroRedundancyOptimizer):
         if self.rank == owner:
             value = tensor if not grad else self.grads.gradient(param) if self.grads else param.grad
         present = torch.tensor([value is not None], dtype=torch.uint8, device=param.device)
-        dist.broadcast(present, owner)
+        dist.broadcast(present, group=self.process_group, group_src=owner)
         if not present.item():
             return None
         whole = value.detach().float().to(param.device, copy=True) if value is not None else \
             torch.empty(param.shape, dtype=torch.float32, device=param.device)  # on the wire's device (offload)
-        dist.broadcast(whole, owner)
+        dist.broadcast(whole, group=self.process_group, group_src=owner)
         return whole
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -406,18 +409,19 @@ class PartitionedOptimizer(ZeroRedundancyOptimizer):
 
 def partition(optimizer: torch.optim.Optimizer, optimizer_class: type, defaults: dict, precision,
               bucket_elements: int | None, device: torch.device, reduce_gradients: bool = True,
-              to_owners: bool = False, stage: int = 2) -> PartitionedOptimizer:
+              to_owners: bool = False, stage: int = 2, group=None) -> PartitionedOptimizer:
     """Stage 2 from a built optimizer (over fp32 masters under fp16/bf16): who owns what, the masters
     of other ranks' parameters freed, the gradient hooks installed."""
     elements = bucket_elements or DEFAULT_BUCKET_ELEMENTS
     groups = optimizer.param_groups
     # ZeroRedundancyOptimizer's own split, read from a throwaway one built over the same groups
+    defaults = dict(defaults, process_group=group)  # the owners: ranks of the data-parallel group
     probe = ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, **defaults)
     owner_of = {id(tensor): rank for tensor, rank in probe._param_to_rank.items()}
     del probe
     pairs = precision.master_pairs() if precision is not None else []  # none: fp32
     model_param_of = {id(master): param for param, master in pairs}
-    stand_ins = _replace_others_masters(groups, owner_of, model_param_of)
+    stand_ins = _replace_others_masters(groups, owner_of, model_param_of, dist.get_rank(group))
     if stand_ins:
         precision.drop_masters(stand_ins.values())
     model_param_of.update(stand_ins)
@@ -431,7 +435,7 @@ def partition(optimizer: torch.optim.Optimizer, optimizer_class: type, defaults:
     owners = [(zero.model_param(tensor), rank) for tensor, rank in zero.owners()]
     trainable = [(param, rank) for param, rank in owners if param.requires_grad]
     if zero.world_size > 1 and reduce_gradients:
-        zero.grads = GradientPartition(trainable, elements, device, to_owners, boundary_only=stage == 1)
+        zero.grads = GradientPartition(trainable, elements, device, to_owners, boundary_only=stage == 1, group=group)
     mine = sum(param.numel() for param, rank in owners if rank == zero.rank)
     log_rank0("ZeRO stage %d: whole parameters on every rank; %soptimizer state of %d of %d elements on rank "
               "0%s%s", stage, "gradients and " if stage == 2 else "", mine,
@@ -442,11 +446,10 @@ def partition(optimizer: torch.optim.Optimizer, optimizer_class: type, defaults:
 
 
 def _replace_others_masters(groups: list[dict], owner_of: dict[int, int],
-                            model_param_of: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+                            model_param_of: dict[int, torch.Tensor], rank: int) -> dict[int, torch.Tensor]:
     """In `groups` (in place, so a scheduler holding them still sets the lr used), each fp32 master
     that another rank owns becomes a stand-in of its shape with no storage. Returns {id(stand-in):
     the model parameter}; `model_param_of` keeps only the masters that stay."""
-    rank = dist.get_rank()
     stand_ins: dict[int, torch.Tensor] = {}
     for group in groups:
         for index, tensor in enumerate(group["params"]):
@@ -460,11 +463,12 @@ def _replace_others_masters(groups: list[dict], owner_of: dict[int, int],
     return stand_ins
 
 
-def broadcast_module(module: torch.nn.Module, bucket_elements: int | None) -> None:
-    """Rank 0's parameters and buffers on every rank, as DDP (and DeepSpeed's engine) do at start."""
+def broadcast_module(module: torch.nn.Module, bucket_elements: int | None, group=None) -> None:
+    """Rank 0's parameters and buffers (of `group`, None: the world) on every rank of it, as DDP (and
+    DeepSpeed's engine) do at start."""
     tensors = [t for t in _tensors(module) if not t.is_meta]
     with torch.no_grad():
-        broadcast_flat(tensors, 0, bucket_elements or DEFAULT_BUCKET_ELEMENTS)
+        broadcast_flat(tensors, 0, bucket_elements or DEFAULT_BUCKET_ELEMENTS, group=group)
 
 
 def _tensors(module: torch.nn.Module) -> Iterable[torch.Tensor]:

@@ -1,0 +1,114 @@
+"""AutoTP's module replacement for Hugging Face LLaMA / Qwen2 / Qwen3 / Mistral-style decoders.
+
+As DeepSpeed 0.19.8's AutoTP in training mode (module_inject/auto_tp.py), by the linear's name:
+    q_proj k_proj v_proj gate_proj up_proj    LinearLayer (column)
+    o_proj down_proj                          LinearAllreduce (row, all-reduced)
+    lm_head / embed_out                       LinearLayer(gather_output=True): the vocabulary split, the logits
+                                              gathered whole; kept whole when tied to the embedding or when the
+                                              vocabulary does not split evenly
+Embeddings, norms and any other linear stay whole on every rank. Qwen3's q_norm / k_norm are whole but act on
+this rank's heads only, so their gradients are summed over the TP group (DeepSpeed's grad_allreduce hooks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from crew.errors import ConfigError
+from crew.log import log_rank0
+from crew.runtime.tensor_parallel.layers import LinearAllreduce, LinearLayer
+
+COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+ROW = frozenset({"o_proj", "down_proj"})
+HEAD = frozenset({"lm_head", "embed_out"})
+PER_HEAD_NORMS = frozenset({"q_norm", "k_norm"})
+_SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def check_model(model: torch.nn.Module, size: int, where: str = "tensor_parallel.autotp_size") -> None:
+    """Before anything is split: the model is one AutoTP knows and its sizes divide by `size`."""
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    if not any(_leaf(name) in COLUMN | ROW for name, _ in linears):
+        first = next(((name, type(m).__name__) for name, m in linears), None)
+        seen = f"its first linear is '{first[0]}' ({first[1]})" if first else "it has no torch.nn.Linear"
+        raise ConfigError(
+            f"{where} = {size}: AutoTP does not know the architecture of {type(model).__name__}: {seen}, and no "
+            f"linear is named one of {sorted(COLUMN | ROW)} (LLaMA/Qwen2/Qwen3/Mistral-style decoders). Remove "
+            "tensor_parallel.autotp_size to train it with data parallelism.")
+    config = _text_config(getattr(model, "config", None))
+    for attribute in _SPLIT_SIZES:
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and value % size:
+            raise ConfigError(
+                f"{where} = {size} does not divide the model's {attribute} ({value}, "
+                f"{type(model).__name__}.config.{attribute}): each TP rank takes an equal share. Set autotp_size "
+                f"to a divisor of {value}.")
+    for name, module in linears:
+        leaf = _leaf(name)
+        dim = module.out_features if leaf in COLUMN else module.in_features if leaf in ROW else None
+        if dim is not None and dim % size:
+            raise ConfigError(f"{where} = {size} does not divide '{name}' ({type(module).__name__}, "
+                              f"{module.in_features} -> {module.out_features}) along the dimension it is split on "
+                              f"({dim}). Set autotp_size to a divisor of {dim}.")
+
+
+def replace(model: torch.nn.Module, group, size: int) -> dict[int, torch.nn.Parameter]:
+    """Swap the model's linears for their TP slices, in place. Returns {id(whole param): its slice}, for
+    optimizers and parameter lists taken before the split."""
+    replaced: dict[int, torch.nn.Parameter] = {}
+    tied = _tied_head(model)
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        leaf = _leaf(name)
+        if leaf in COLUMN:
+            new = LinearLayer(module, group, name=name)
+        elif leaf in ROW:
+            new = LinearAllreduce(module, group, name=name)
+        elif leaf in HEAD and not tied and module.out_features % size == 0:
+            new = LinearLayer(module, group, gather_output=True, name=name)
+        else:
+            continue
+        _set(model, name, new)
+        replaced[id(module.weight)] = new.weight
+        if module.bias is not None:
+            replaced[id(module.bias)] = new.bias
+    _sum_per_head_norm_grads(model, group)
+    model.ds_autotp_parsed = True
+    log_rank0("AutoTP: %d linears split over %d ranks%s", sum(isinstance(m, (LinearLayer, LinearAllreduce))
+              for m in model.modules()), size, " (lm_head kept whole: tied to the embedding)" if tied else "")
+    return replaced
+
+
+def _sum_per_head_norm_grads(model: torch.nn.Module, group) -> None:
+    import torch.distributed as dist
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if len(parts) > 1 and parts[-2] in PER_HEAD_NORMS and param.requires_grad:
+            param.register_hook(hook)
+
+
+def _tied_head(model: torch.nn.Module) -> bool:
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return any(isinstance(m, torch.nn.Linear) and _leaf(n) in HEAD and id(m.weight) in embeddings
+               for n, m in model.named_modules())
+
+
+def _text_config(config):
+    text = getattr(config, "text_config", None) if config is not None else None
+    return text if text is not None else config
+
+
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def _set(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
