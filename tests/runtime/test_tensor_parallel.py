@@ -1,0 +1,240 @@
+"""AutoTP tensor-parallel training (crew/runtime/tensor_parallel, DeepSpeed 0.19.8's names) against one process.
+
+A tiny Llama (4 heads, 2 kv heads) trains 3 AdamW steps split over TP groups of 2; every rank's loss and every
+whole weight afterwards (gathered from the slices) must equal one process's on the same samples, each data-parallel
+group reading its own sample per step. 2 ranks: TP 2 alone; 4 ranks: TP 2 x DP 2 at ZeRO 0, 1 and 2.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dist import run_parts
+
+SEQ = 8
+LR = 0.1
+STEPS = 3
+TOL = 1e-5
+
+
+def tiny(kind: str = "llama", **overrides):
+    import transformers
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    sizes.update(overrides)
+    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
+    config = getattr(transformers, config_cls)(**sizes)
+    return getattr(transformers, model_cls)(config)
+
+
+def samples(count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (1, SEQ), generator=generator) for _ in range(count)]
+
+
+def reference(model, data: list[torch.Tensor], dp: int, clip: float = 0.0) -> dict:
+    """One process: STEPS AdamW steps, step s on the mean loss of samples [s*dp, (s+1)*dp)."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        batch = [model(input_ids=x, labels=x).loss for x in data[step * dp:(step + 1) * dp]]
+        losses.append([loss.item() for loss in batch])
+        torch.stack(batch).mean().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def config(world: int, tp: int = 2, stage: int = 0, **extra) -> dict:
+    base = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,  # DeepSpeed counts every rank
+            "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+            "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
+    return {**base, **extra}
+
+
+def reset() -> None:
+    from crew.runtime import parallel
+    from crew.runtime.tensor_parallel import setup
+    parallel.reset()
+    setup.reset()
+
+
+def differences(engine, ref_state: dict) -> float:
+    from crew.runtime.tensor_parallel import gather_full
+    worst = 0.0
+    for name, param in engine.module.named_parameters():
+        whole = gather_full(param)
+        worst = max(worst, (whole - ref_state[name]).abs().max().item())
+    return worst
+
+
+def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "llama",
+          client_optimizer: bool = False) -> dict:
+    """STEPS steps under TP `tp`; this rank's losses minus the reference's, and the largest weight difference."""
+    import torch.distributed as dist
+
+    import crew.deepspeed as deepspeed
+    reset()
+    deepspeed.init_distributed("gloo")
+    world = dist.get_world_size()
+    dp = world // tp
+    model = tiny(kind)
+    data = samples(STEPS * dp)
+    ref = reference(model, data, dp, clip)
+    extra = {"gradient_clipping": clip}  # crew, as DeepSpeed, clips at 1.0 unless told
+    cfg = config(world, tp, stage, **extra)
+    optimizer = None
+    if client_optimizer:  # Trainer: tp_model_init, then the optimizer over the whole model's parameters
+        deepspeed.tp_model_init(model, tp_size=tp, dtype=torch.float32, config=cfg)
+        cfg = {k: v for k, v in cfg.items() if k not in ("tensor_parallel", "optimizer")}
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    # Trainer's way: a list of the whole model's parameters, taken before initialize splits them
+    engine, built, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
+                                               model_parameters=None if optimizer else list(model.parameters()))
+    errors = []
+    for step in range(STEPS):
+        x = data[step * dp + rank // tp]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        errors.append(abs(loss.item() - ref["losses"][step][rank // tp]))
+    split = {name: tuple(p.shape) for name, p in engine.module.named_parameters()}
+    nbytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    return {"loss": max(errors), "weights": differences(engine, ref["state"]), "shapes": split, "bytes": nbytes,
+            "mp": engine.mp_world_size, "dp": engine.dp_world_size, "autotp": engine.autotp_size(),
+            "norm": float(engine.get_global_grad_norm()),
+            "steps_the_module": {id(p) for g in built.param_groups for p in g["params"]}
+            == {id(p) for p in engine.module.parameters()}}
+
+
+def errors(rank: int) -> dict:
+    """Each bad set-up's message (the same on both ranks), or None where it did not fail."""
+    import crew.deepspeed as deepspeed
+    from crew.runtime import parallel
+    deepspeed.init_distributed("gloo")
+    found = {}
+
+    def attempt(name, model, cfg, before=None):
+        reset()
+        if before is not None:
+            before()
+        try:
+            deepspeed.initialize(model=model, config=cfg)
+            found[name] = None
+        except Exception as exc:
+            found[name] = f"{type(exc).__name__}: {exc}"
+
+    attempt("world", tiny(), config(2, tp=3) | {"train_batch_size": 2})
+    attempt("kv_heads", tiny(num_key_value_heads=1), config(2))
+    attempt("unknown", torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)), config(2))
+    attempt("stage3", tiny(), config(2, stage=3))
+    attempt("with_sp", tiny(), config(2), before=lambda: parallel.init_sequence_parallel(2))
+    attempt("partition_config", tiny(), config(2) | {"tensor_parallel": {"autotp_size": 2, "partition_config": {}}})
+    attempt("typo", tiny(), config(2) | {"tensor_parallel": {"autotp_size": 2, "tp_overlap": True}})
+    reset()
+    engine, *_ = deepspeed.initialize(model=tiny(), config=config(2))
+    x = samples(2)[rank]  # a different sample on each rank of the TP group
+    try:
+        engine(input_ids=x, labels=x)
+        found["inputs"] = None
+    except Exception as exc:
+        found["inputs"] = f"{type(exc).__name__}: {exc}"
+    reset()
+    return found
+
+
+def loader(rank: int) -> list:
+    """initialize(training_data=...) under TP 2 on 2 ranks: both ranks of the TP group read the same samples."""
+    import crew.deepspeed as deepspeed
+    reset()
+    deepspeed.init_distributed("gloo")
+    data = [samples(4)[i][0] for i in range(4)]
+    cfg = config(2) | {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2}
+    engine, _, loader, _ = deepspeed.initialize(model=tiny(), config=cfg, training_data=data)
+    batches = [batch.clone() for batch in loader]
+    loss = engine(input_ids=batches[0], labels=batches[0]).loss  # passes the TP group's input check
+    reset()
+    return [batches, loss.item()]
+
+
+TWO = {"llama": (train, 0), "clipped": (train, 0, 2, 1.0), "client": (train, 0, 2, 0.0, "llama", True),
+       "qwen2": (train, 0, 2, 0.0, "qwen2"), "qwen3": (train, 0, 2, 0.0, "qwen3"), "errors": (errors,),
+       "loader": (loader,), "whole": (train, 0, 1)}
+FOUR = {f"stage{stage}": (train, stage) for stage in (0, 1, 2)} | {"stage2_clipped": (train, 2, 2, 1.0)}
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_parts(TWO, 2)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_parts(FOUR, 4)
+
+
+@pytest.mark.parametrize("part", ["llama", "clipped", "client", "qwen2", "qwen3"])
+def test_tp2_trains_as_one_process(two, part):
+    for result in two[part]:
+        assert result["loss"] < TOL and result["weights"] < TOL, result
+        assert (result["mp"], result["dp"], result["autotp"]) == (2, 1, 2)
+
+
+def test_each_split_linear_holds_half_its_weight(two):
+    split, whole = two["llama"][0], two["whole"][0]
+    for name, shape in whole["shapes"].items():
+        leaf = name.split(".")[-2]
+        if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"):
+            assert split["shapes"][name] == (shape[0] // 2, shape[1]), name
+        elif leaf in ("o_proj", "down_proj"):
+            assert split["shapes"][name] == (shape[0], shape[1] // 2), name
+        else:  # embeddings and norms: whole on every rank
+            assert split["shapes"][name] == shape, name
+    assert split["bytes"] < 0.6 * whole["bytes"]
+
+
+def test_gradient_clipping_uses_the_whole_models_norm(two):
+    norms = {result["norm"] for result in two["clipped"]}
+    assert len(norms) == 1 and norms.pop() > 1.0  # the norm before clipping: clipping did act
+
+
+def test_an_optimizer_built_before_initialize_steps_the_slices(two):
+    assert all(result["steps_the_module"] for result in two["client"])  # the slices, not the whole weights
+
+
+@pytest.mark.parametrize("part", ["stage0", "stage1", "stage2", "stage2_clipped"])
+def test_tp2_dp2_zero_trains_as_one_process(four, part):
+    for result in four[part]:
+        assert result["loss"] < TOL and result["weights"] < TOL, result
+        assert (result["mp"], result["dp"]) == (2, 2)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("world", ["tensor_parallel.autotp_size = 3", "2 ranks"]),
+    ("kv_heads", ["num_key_value_heads (1", "autotp_size"]),
+    ("unknown", ["AutoTP does not know", "Sequential", "'0' (Linear)"]),
+    ("stage3", ["zero_optimization.stage 3", "autotp_size"]),
+    ("with_sp", ["one of Ulysses sequence parallelism and AutoTP"]),
+    ("partition_config", ["tensor_parallel.partition_config"]),
+    ("typo", ["tp_overlap"]),
+    ("inputs", ["Data inconsistency within the TP group", "ranks [0, 1]"]),
+])
+def test_bad_set_ups_fail_with_a_clear_message(two, name, words):
+    for found in two["errors"]:
+        assert found[name] is not None and all(word in found[name] for word in words), found[name]
+
+
+def test_the_loader_gives_a_tp_group_the_same_samples(two):
+    (first, loss_first), (second, loss_second) = two["loader"]
+    assert len(first) == 2 and all(torch.equal(a, b) for a, b in zip(first, second))
+    assert loss_first == loss_second
+
