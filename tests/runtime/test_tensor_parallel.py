@@ -78,7 +78,7 @@ def differences(engine, ref_state: dict) -> float:
 
 
 def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "llama",
-          client_optimizer: bool = False) -> dict:
+          client_optimizer: bool = False, gas: int = 1) -> dict:
     """STEPS steps under TP `tp`; this rank's losses minus the reference's, and the largest weight difference."""
     import torch.distributed as dist
 
@@ -88,10 +88,11 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
     world = dist.get_world_size()
     dp = world // tp
     model = tiny(kind)
-    data = samples(STEPS * dp)
-    ref = reference(model, data, dp, clip)
-    extra = {"gradient_clipping": clip}  # crew, as DeepSpeed, clips at 1.0 unless told
-    cfg = config(world, tp, stage, **extra)
+    data = samples(STEPS * dp * gas)
+    ref = reference(model, data, dp * gas, clip)
+    # crew, as DeepSpeed, clips at 1.0 unless told
+    cfg = config(world, tp, stage, gradient_clipping=clip, train_batch_size=world * gas,
+                 gradient_accumulation_steps=gas)
     optimizer = None
     if client_optimizer:  # Trainer: tp_model_init, then the optimizer over the whole model's parameters
         deepspeed.tp_model_init(model, tp_size=tp, dtype=torch.float32, config=cfg)
@@ -102,11 +103,13 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
                                                model_parameters=None if optimizer else list(model.parameters()))
     errors = []
     for step in range(STEPS):
-        x = data[step * dp + rank // tp]
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        errors.append(abs(loss.item() - ref["losses"][step][rank // tp]))
+        for micro in range(gas):
+            index = micro * dp + rank // tp  # within the step's dp * gas samples
+            x = data[step * dp * gas + index]
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            errors.append(abs(loss.item() - ref["losses"][step][index]))
     split = {name: tuple(p.shape) for name, p in engine.module.named_parameters()}
     nbytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     return {"loss": max(errors), "weights": differences(engine, ref["state"]), "shapes": split, "bytes": nbytes,
@@ -169,7 +172,8 @@ def loader(rank: int) -> list:
 TWO = {"llama": (train, 0), "clipped": (train, 0, 2, 1.0), "client": (train, 0, 2, 0.0, "llama", True),
        "qwen2": (train, 0, 2, 0.0, "qwen2"), "qwen3": (train, 0, 2, 0.0, "qwen3"), "errors": (errors,),
        "loader": (loader,), "whole": (train, 0, 1)}
-FOUR = {f"stage{stage}": (train, stage) for stage in (0, 1, 2)} | {"stage2_clipped": (train, 2, 2, 1.0)}
+FOUR = {f"stage{stage}": (train, stage) for stage in (0, 1, 2)} | {
+    "stage2_clipped": (train, 2, 2, 1.0), "stage1_accumulating": (train, 1, 2, 1.0, "llama", False, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +215,7 @@ def test_an_optimizer_built_before_initialize_steps_the_slices(two):
     assert all(result["steps_the_module"] for result in two["client"])  # the slices, not the whole weights
 
 
-@pytest.mark.parametrize("part", ["stage0", "stage1", "stage2", "stage2_clipped"])
+@pytest.mark.parametrize("part", ["stage0", "stage1", "stage2", "stage2_clipped", "stage1_accumulating"])
 def test_tp2_dp2_zero_trains_as_one_process(four, part):
     for result in four[part]:
         assert result["loss"] < TOL and result["weights"] < TOL, result
@@ -225,7 +229,7 @@ def test_tp2_dp2_zero_trains_as_one_process(four, part):
     ("stage3", ["zero_optimization.stage 3", "autotp_size"]),
     ("with_sp", ["one of Ulysses sequence parallelism and AutoTP"]),
     ("partition_config", ["tensor_parallel.partition_config"]),
-    ("typo", ["tp_overlap"]),
+    ("typo", ["tensor_parallel.tp_overlap", "Did you mean 'tp_overlap_comm'?"]),
     ("inputs", ["Data inconsistency within the TP group", "ranks [0, 1]"]),
 ])
 def test_bad_set_ups_fail_with_a_clear_message(two, name, words):

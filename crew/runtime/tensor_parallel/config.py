@@ -9,6 +9,7 @@ presets, vocab_parallel_lm_head true, vocab_parallel_ce_backend "liger", kernel_
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import torch
@@ -65,6 +66,12 @@ def parse(raw: Any, source: str = "<dict>") -> TPTrainingConfig:
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            known = sorted(IMPLEMENTED) if len(error["loc"]) == 1 else sorted(TPConfig.model_fields)
+            close = difflib.get_close_matches(str(error["loc"][-1]), known, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{source}: {SECTION}.{where} is not a key DeepSpeed 0.19.8 knows; known: "
+                              f"{', '.join(known)}.{hint}") from None
         raise ConfigError(f"{source}: {SECTION}.{where}: {error['msg']} (got {error.get('input')!r}).") from None
     section.dtype = to_dtype(section.dtype, f"{source}: {SECTION}.dtype")
     _refuse_unsupported(section, source)
