@@ -48,7 +48,6 @@ ATTRIBUTES = {
 # DeepSpeed names crew refuses on purpose (a key covers the names under it), with what the error crew raises
 # says besides the name. None is on a path a ZeRO 0-3 data-parallel run takes.
 REFUSED = {
-    "deepspeed.runtime.sequence_parallel": "Ulysses sequence parallelism",  # (sequence_parallel_size > 1)
     # not in DeepSpeed 0.19.8 either: ESMFold catches the AttributeError (crew's is one) and goes on
     "deepspeed.utils.is_initialized": "is not supported by crew",
 }

@@ -19,7 +19,6 @@ UNSUPPORTED = {
     "compression": "model compression",
     "profiling": "the flops profiler",
     "sequence": "Megatron-style DistributedAttention; crew's Ulysses SP is deepspeed.runtime.sequence_parallel",
-    "sequence_parallel": "Ulysses sequence parallelism",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine",
     "sparse_attention": "sparse attention (removed from DeepSpeed 0.19 too)",
     "launcher": "DeepSpeed's launcher: `crew run` starts the job",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from crew.errors import ConfigError, CrewError
-from crew.runtime import gradnorm, registry
+from crew.runtime import gradnorm, parallel, registry
 from crew.runtime.casting import dtype_named
 from crew.runtime.config_view import DeepSpeedConfig, deepspeed_optimizer_name
 from crew.runtime.zero.stage3 import shards_visible
@@ -100,6 +100,21 @@ class DeepSpeedAccessors:
     @communication_data_type.setter
     def communication_data_type(self, value) -> None:
         self._communication_data_type = dtype_named(value, "communication_data_type")
+
+    # -- parallel layout (crew/runtime/parallel.py) ------------------------------------------------
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ulysses SP size: 1 without SP."""
+        return parallel.sequence_parallel_size()
+
+    @property
+    def seq_parallel_group(self):
+        """This rank's SP group; None without SP (DeepSpeed sets it only under SP)."""
+        return parallel.sequence_parallel_group()
+
+    def get_sequence_parallel_group(self):
+        return self.seq_parallel_group
 
     # -- config values ----------------------------------------------------------------------------
 

@@ -219,6 +219,55 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op=
     return None
 
 
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op: bool = False):
+    if dist.is_initialized():
+        return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
+                                      async_op=async_op)
+    output.copy_(tensor.reshape(output.shape))
+    return None
+
+
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor], group=None,
+               async_op: bool = False):
+    if dist.is_initialized():
+        return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+    output_tensor_list[0].copy_(input_tensor_list[0])
+    return None
+
+
+def all_gather_object(object_list: list, obj, group=None):
+    if dist.is_initialized():
+        return dist.all_gather_object(object_list, obj, group=group)
+    object_list[0] = obj
+    return None
+
+
+def broadcast_object_list(object_list: list, src: int, group=None, device=None):
+    if dist.is_initialized():
+        return dist.broadcast_object_list(object_list, src=src, group=group, device=device)
+    return None
+
+
+def new_group(ranks):
+    """A process group of `ranks`; every rank of the world must call it, with the same ranks."""
+    return dist.new_group(list(ranks))
+
+
+def get_global_rank(group=None, group_rank: int = 0) -> int:
+    """The world rank of `group`'s rank `group_rank`."""
+    if group is None or not dist.is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def get_all_ranks_from_group(group=None) -> list[int]:
+    """The world ranks of `group`, in group rank order."""
+    if group is None or not dist.is_initialized():
+        return list(range(get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
 def get_world_group():
     return dist.group.WORLD
 
