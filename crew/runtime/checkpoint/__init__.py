@@ -47,6 +47,7 @@ removes its staging folder on every rank.
     loading.py     load: read, check the fit, convert between ZeRO stages, load into the engine
     sharded.py     crew 0.1's stage 3: the DCP folder of shards by parameter name
     exporting.py   save_16bit_model and `crew export`: the weights as one state dict file
+    tensor_parallel.py    AutoTP: each TP rank's mp_rank_<t> files, loading at another TP size, whole weights
     deepspeed_files.py   a DeepSpeed 0.19 tag's files, read with an allow-list of DeepSpeed's classes
     deepspeed_format.py  a DeepSpeed tag as the state load() loads (weights and optimizer state by
                          name): load_checkpoint and `crew export` read DeepSpeed's checkpoints too

@@ -115,11 +115,13 @@ def _foreign_message(path: Path, names: list[str]) -> str:
             "without that object.")
 
 
-def optim_files(folder: Path, world_size: int) -> list[Path]:
-    """The optimizer file of each of the `world_size` ranks that saved a ZeRO checkpoint, in rank order."""
+def optim_files(folder: Path, world_size: int, mp: int = 0) -> list[Path]:
+    """The optimizer file of each of the `world_size` (data-parallel) ranks that saved a ZeRO checkpoint, in rank
+    order, of TP rank `mp`."""
     found = []
     for rank in range(world_size):
-        candidates = [folder / pattern.format(rank=rank) for pattern in OPTIM_STATES]
+        candidates = [folder / pattern.format(rank=rank).replace("mp_rank_00", f"mp_rank_{mp:02d}")
+                      for pattern in OPTIM_STATES]
         present = [path for path in candidates if path.is_file()]
         if not present:
             raise CheckpointError(
@@ -131,9 +133,11 @@ def optim_files(folder: Path, world_size: int) -> list[Path]:
     return found
 
 
-def refuse_unsupported(folder: Path) -> None:
-    """Model-parallel and expert (MoE) checkpoints: files crew does not read."""
-    parallel = sorted(path.name for path in folder.glob("*mp_rank_0[1-9]*") if path.is_file())
+def refuse_unsupported(folder: Path, tensor_parallel: bool = False) -> None:
+    """Model-parallel (unless `tensor_parallel`: AutoTP's, tensor_parallel.py) and expert (MoE) checkpoints: files
+    crew does not read."""
+    parallel = [] if tensor_parallel else sorted(path.name for path in folder.glob("*mp_rank_0[1-9]*")
+                                                 if path.is_file())
     experts = sorted(path.name for path in folder.glob("*expert_*") if path.is_file())
     layers = sorted(path.name for path in folder.glob("layer_*-model_states.pt"))
     for names, what in ((parallel, "tensor (model) parallel ranks"), (experts, "mixture-of-experts layers"),

@@ -44,11 +44,12 @@ class _Tag:
     """One tag's files, read on demand: the model states of rank 0 and, for stages 1-3, every rank's
     optimizer file."""
 
-    def __init__(self, folder: Path):
-        refuse_unsupported(folder)
-        self.folder = folder
+    def __init__(self, folder: Path, mp: int = 0, tensor_parallel: bool = False):
+        refuse_unsupported(folder, tensor_parallel)
+        self.folder, self.mp = folder, mp
         zero3 = not (folder / MODEL_STATES).is_file()
-        self.model_file = folder / (ZERO3_MODEL_STATES.format(rank=0) if zero3 else MODEL_STATES)
+        name = ZERO3_MODEL_STATES.format(rank=0) if zero3 else MODEL_STATES
+        self.model_file = folder / name.replace("mp_rank_00", f"mp_rank_{mp:02d}")
         self.model = read(self.model_file)
         if not isinstance(self.model, dict) or "module" not in self.model:
             raise CheckpointError(f"{self.model_file} is not a DeepSpeed model states file (no 'module' in it)")
@@ -61,7 +62,7 @@ class _Tag:
         """Each rank's optimizer_state_dict (stages 1-3)."""
         if self._optim is None:
             self._optim = []
-            for path in optim_files(self.folder, self.world_size):
+            for path in optim_files(self.folder, self.world_size, self.mp):
                 saved = read(path)
                 state = saved.get("optimizer_state_dict") if isinstance(saved, dict) else None
                 if not isinstance(state, dict):
@@ -83,7 +84,7 @@ class _Tag:
 
     def optimizer_file(self) -> Path:
         """The file the optimizer state is in (rank 0's at stages 1-3)."""
-        return self.model_file if self.stage == 0 else optim_files(self.folder, self.world_size)[0]
+        return self.model_file if self.stage == 0 else optim_files(self.folder, self.world_size, self.mp)[0]
 
     def where(self) -> str:
         return f"{self.folder}'s optimizer files"
@@ -262,12 +263,23 @@ def module_state(tag: _Tag, params: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def read_fp32_module(folder: Path, position_groups: list[list[str]] | None = None) -> dict[str, torch.Tensor]:
+def read_fp32_module(folder: Path, position_groups: list[list[str]] | None = None,
+                     split: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
     """`crew export` of a DeepSpeed tag: the whole module, floating-point tensors in fp32 (the fp32 master
     weights where DeepSpeed keeps them apart). position_groups: the optimizer groups' parameter names where the
-    save recorded them (crew's crew_state.pt), for stage 0's flat fp32 copies."""
-    tag = _Tag(Path(folder))
-    return module_state(tag, fp32_params(tag, position_groups))
+    save recorded them (crew's crew_state.pt), for stage 0's flat fp32 copies. Under AutoTP every TP rank's
+    slices joined along their dims: `split` (crew's crew_state.pt) or the tag's universal_checkpoint_info."""
+    from crew.runtime.checkpoint import tensor_parallel
+    folder = Path(folder)
+    saved = tensor_parallel.deepspeed_size(folder)
+    if saved == 1:
+        tag = _Tag(folder)
+        return module_state(tag, fp32_params(tag, position_groups))
+    split = split if split is not None else tensor_parallel.deepspeed_dims(read(folder / tensor_parallel.model_file(0)))
+    if split is None:  # model parallel but not AutoTP's
+        refuse_unsupported(folder)
+    tags = [_Tag(folder, mp, tensor_parallel=True) for mp in range(saved)]
+    return tensor_parallel.join([module_state(tag, fp32_params(tag, position_groups)) for tag in tags], split)
 
 
 # -- optimizer state -------------------------------------------------------------------------------
@@ -474,25 +486,35 @@ def client_state(model: dict, load_optimizer_states: bool, load_lr_scheduler_sta
 def read_for_load(engine, folder: Path, states: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool,
                   module_only: bool) -> None:
     """Fill `states` as loading.py's readers do for crew's own checkpoints."""
+    from crew.runtime.checkpoint import tensor_parallel
     from crew.runtime.checkpoint.state import groups_by_name
-    tag = _Tag(Path(folder))
+    folder = Path(folder)
     optimizer = load_optimizer_states and not module_only and engine.optimizer is not None
     named = groups_by_name(engine)
     positions = [group["params"] for group in named] if named is not None else None
-    if optimizer and positions is None and tag.stage == 0:
-        raise CheckpointError(f"{tag.model_file}: DeepSpeed's stage 0 optimizer state is matched to this engine's "
-                              "parameters by position, and its optimizer steps tensors that are not parameters of "
-                              "the model. Load the weights only: load_checkpoint(..., load_optimizer_states=False)")
-    params: dict[str, torch.Tensor] = {}
-    if optimizer or tag.stage == 3:  # otherwise, as DeepSpeed: the module's own (16-bit) weights
-        params = fp32_params(tag, positions)
-    if not optimizer:  # DeepSpeed puts the fp32 weights into the 16-bit module and restores its masters from it
-        params = {name: value.to(tag.lp_dtype()).float() for name, value in params.items()}
-    module = module_state(tag, params)
+
+    def states_of(tag: _Tag):
+        if optimizer and positions is None and tag.stage == 0:
+            raise CheckpointError(f"{tag.model_file}: DeepSpeed's stage 0 optimizer state is matched to this "
+                                  "engine's parameters by position, and its optimizer steps tensors that are not "
+                                  "parameters of the model. Load the weights only: load_checkpoint(..., "
+                                  "load_optimizer_states=False)")
+        params: dict[str, torch.Tensor] = {}
+        if optimizer or tag.stage == 3:  # otherwise, as DeepSpeed: the module's own (16-bit) weights
+            params = fp32_params(tag, positions)
+        if not optimizer:  # DeepSpeed puts the fp32 weights into the 16-bit module and restores its masters from it
+            params = {name: value.to(tag.lp_dtype()).float() for name, value in params.items()}
+        if not optimizer:
+            return module_state(tag, params), None
+        return module_state(tag, params), _stage0_optimizer(tag, positions) if tag.stage == 0 else _zero_optimizer(tag)
+
+    saved_tp = tensor_parallel.deepspeed_size(folder)
+    split = tensor_parallel.deepspeed_dims(read(folder / tensor_parallel.model_file(0))) if saved_tp > 1 else None
+    if saved_tp > 1 and split is None:  # model parallel but not AutoTP's (no universal_checkpoint_info)
+        refuse_unsupported(folder)
+    tag, module, by_name = tensor_parallel.read_tags(engine, folder, saved_tp, split, states_of)
     saved = tag.model
-    by_name = None
     if optimizer:
-        by_name = _stage0_optimizer(tag, positions) if tag.stage == 0 else _zero_optimizer(tag)
         by_name = _as_live(by_name, named, _live_class(engine.optimizer), tag.optimizer_file())
     steps = int(saved.get("global_steps") or 0)
     precision = {"skipped_steps": int(saved.get("skipped_steps") or 0)}

@@ -27,6 +27,7 @@ from collections import OrderedDict
 
 import torch
 
+from crew.runtime.checkpoint import tensor_parallel
 from crew.runtime.checkpoint.deepspeed_files import (
     STAND_INS,
     DynamicLossScaler,
@@ -66,9 +67,9 @@ DEEPSPEED_PICKLE = types.ModuleType("crew_deepspeed_pickle")
 DEEPSPEED_PICKLE.Pickler = _Pickler
 
 
-def optim_file(rank: int, bf16: bool) -> str:
-    """engine.py _get_rank_zero_ckpt_name (mp rank 0)."""
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_file(rank: int, bf16: bool, mp: int = 0) -> str:
+    """engine.py _get_rank_zero_ckpt_name: data-parallel rank `rank` of TP rank `mp`."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
 
 
 def _attributes(cls, **values):
@@ -183,9 +184,7 @@ def common_keys(engine, client_state: dict) -> dict:
         "skipped_steps": engine.precision.skipped_steps,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
-        "dp_world_size": engine.world_size,
-        "mp_world_size": 1,
-        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        **tensor_parallel.parallel_keys(engine),
         "ds_config": engine.crew_config.raw,
         "ds_version": DS_VERSION,
     }
@@ -282,7 +281,7 @@ def _loss_scaler(engine):
 def optim_states(engine, fp32: dict, optimizer_state: dict, names: list[str]) -> list[dict]:
     """Every rank's [bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt content (stages 1-2), in rank order:
     DeepSpeedZeroOptimizer.state_dict as that rank's optimizer returns it, in _save_zero_checkpoint's dict."""
-    world = engine.world_size
+    world = tensor_parallel.parallel_keys(engine)["dp_world_size"]
     groups = group_names(optimizer_state, names)
     state_by_name = {names[index]: value for index, value in optimizer_state["state"].items()}
     per_rank = [{"state": {}, "param_groups": []} for _ in range(world)]

@@ -37,9 +37,12 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
     stage 3 they are gathered from the shards first (a collective). With
     exclude_frozen_parameters, parameters that do not require grad are left out (buffers stay)."""
     from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stage 3 pays its import
+    from crew.runtime.checkpoint import tensor_parallel
     gathered = None
     if engine.zero.shards_params:
         gathered = checkpoint_sharded.full_module_state(engine.module)
+    elif tensor_parallel.size() > 1:  # the whole weights, HF's names (DeepSpeed writes rank 0's slices here)
+        gathered = tensor_parallel.whole_state(engine, torch.float32)
     problem = None
     if comm.get_rank() == 0:
         dtype = engine.precision.dtype
@@ -100,10 +103,12 @@ def read_fp32_module(folder: Path) -> dict[str, torch.Tensor]:
             if name.endswith("_states.pt"):
                 verifier.check(folder / name)
         verifier.check(folder / CREW_STATE)
-        groups = [group.get("params") for group in read(folder / CREW_STATE).get("optimizer_groups") or []
+        extras = read(folder / CREW_STATE)
+        groups = [group.get("params") for group in extras.get("optimizer_groups") or []
                   if group.get("params")]  # DeepSpeed's files leave out the groups with no parameters
         named = groups and all(isinstance(names, list) and all(isinstance(n, str) for n in names) for names in groups)
-        module = deepspeed_format.read_fp32_module(folder, groups if named else None)  # names stage 0's flat copies
+        split = (extras.get("tensor_parallel") or {}).get("dims")  # AutoTP: the dims its slices join along
+        module = deepspeed_format.read_fp32_module(folder, groups if named else None, split)
     elif manifest["format"] == SHARDED:
         module, _ = checkpoint_sharded.read_full(folder / SHARDED_DIR, verifier)
     else:

@@ -11,7 +11,7 @@ import torch
 
 from crew.log import log_rank0, logger
 from crew.runtime import comm
-from crew.runtime.checkpoint import deepspeed_format
+from crew.runtime.checkpoint import deepspeed_format, tensor_parallel
 from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere, where
 from crew.runtime.checkpoint.deepspeed_files import is_deepspeed_tag
 from crew.runtime.checkpoint.integrity import Verifier, identity, share_out
@@ -162,14 +162,22 @@ def _read_deepspeed_layout(engine, folder: Path, states: dict, load_optimizer_st
     (Not read_for_load's conversion into the live optimizer: that is for DeepSpeed's own runs, whose groups
     leave out the parameters DeepSpeed does not step; crew's keep them.)"""
     extras = read(folder / CREW_STATE)
-    tag = deepspeed_format._Tag(folder)
     groups = extras.get("optimizer_groups")
     positions = [group["params"] for group in groups if group["params"]] if groups else None  # DeepSpeed's groups
-    module = deepspeed_format.module_state(tag, deepspeed_format.fp32_params(tag, positions))
+    wanted = load_optimizer_states and not module_only and engine.optimizer is not None and groups
+
+    def states_of(tag):
+        module = deepspeed_format.module_state(tag, deepspeed_format.fp32_params(tag, positions))
+        if not wanted:
+            return module, None
+        return module, (deepspeed_format._stage0_optimizer(tag, positions) if tag.stage == 0
+                        else deepspeed_format._zero_optimizer(tag))
+
+    tp = extras.get("tensor_parallel") or {"size": 1}
+    tag, module, saved = tensor_parallel.read_tags(engine, folder, tp["size"], tp.get("dims"), states_of)
     optimizer = None
-    if load_optimizer_states and not module_only and engine.optimizer is not None and groups:
-        saved = (deepspeed_format._stage0_optimizer(tag, positions) if tag.stage == 0
-                 else deepspeed_format._zero_optimizer(tag))["state"]
+    if wanted:
+        saved = saved["state"]
         steps = extras["optimizer_steps"]
         stepped = [name for name in saved if name in steps] if steps else list(saved)  # crew's had no state else
         optimizer = {"state": {name: {**saved[name], **({"step": steps[name]} if name in steps else {})}

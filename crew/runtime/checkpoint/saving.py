@@ -18,7 +18,7 @@ import torch
 from crew import __version__, outputs
 from crew.log import log_rank0, warn_once
 from crew.runtime import comm
-from crew.runtime.checkpoint import deepspeed_writing
+from crew.runtime.checkpoint import deepspeed_writing, tensor_parallel
 from crew.runtime.checkpoint.collective import agree, all_gather, attempt, same_everywhere
 from crew.runtime.checkpoint.deepspeed_files import MODEL_STATES as DEEPSPEED_MODEL_STATES
 from crew.runtime.checkpoint.deepspeed_files import ZERO3_MODEL_STATES
@@ -125,9 +125,14 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
     if engine.zero.shards_params and engine.optimizer is None:
         raise CheckpointError(f"{what}: a model-only engine (no optimizer) cannot save a ZeRO stage 3 checkpoint "
                               "yet. Save its weights with engine.save_16bit_model(save_dir) instead.")
-    part, parts = _my_part(shared, split=layout == REPLICATED and engine.zero.stage == 0)
     whole = not engine.zero.shards_params  # stage 3 writes each rank's partition, whole state nowhere
-    optimizer_state = _whole_optimizer_state(engine, writer=part is not None) if whole else None
+    if tensor_parallel.size() > 1:  # each TP rank's first data-parallel rank writes that TP rank's files
+        tensor_parallel.check_save(engine, shared, what)
+        part, parts = (0 if tensor_parallel.data_parallel_rank() == 0 else None), 1
+        optimizer_state = tensor_parallel.column_optimizer_state(engine, writer=part is not None)
+    else:
+        part, parts = _my_part(shared, split=layout == REPLICATED and engine.zero.stage == 0)
+        optimizer_state = _whole_optimizer_state(engine, writer=part is not None) if whole else None
     masters = gathered_masters(engine, keep=part is not None) if whole else None  # stage 2: a collective
     written: dict[str, dict] = {}  # path in the tag -> size and checksum, of this rank's files
     write = _write_deepspeed_files if layout == DEEPSPEED_LAYOUT else _write_files
@@ -139,7 +144,7 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
     every_rank_wrote = all_gather(written)
     comm.barrier()  # every rank's files are on disk before any tag appears
     problem = None
-    if part == 0:  # the rank that wrote the shared files commits
+    if part == 0 and tensor_parallel.rank() == 0:  # the rank that wrote the shared files commits
         problem = attempt(lambda: _commit(engine, staging, save_dir, tag, save_latest, hosts, layout, parts,
                                           _files_here(staging, every_rank_wrote)))
     agree(problem, what)
@@ -152,6 +157,10 @@ def _layout(engine) -> str:
     if engine.zero.shards_params and (engine.optimizer is None or optimizer_param_names(engine) is None):
         return SHARDED  # refused below (no optimizer), or stepping tensors outside the model
     if engine.optimizer is not None and optimizer_param_names(engine) is None:
+        if tensor_parallel.size() > 1:
+            raise CheckpointError("save_checkpoint under tensor parallelism: the optimizer steps tensors that are "
+                                  "not parameters of the model, which DeepSpeed's files cannot name; build it over "
+                                  "the model's parameters")
         return REPLICATED
     return DEEPSPEED_LAYOUT
 
@@ -239,7 +248,7 @@ def _write_deepspeed_files(engine, staging: Path, client_state: dict, part: int 
     names = optimizer_param_names(engine)
     if engine.zero.shards_params:
         _write_zero3_files(engine, staging, client_state, written, exclude_frozen)
-    if part is not None:
+    if part is not None and tensor_parallel.rank() == 0:
         _client_state_bytes(client_state)  # the same check as crew's own layout: weights_only loadable
         extras = {**_common_state(engine), "optimizer_param_names": names, "client_keys": list(client_state),
                   "client_shadowed": {key: value for key, value in client_state.items()
@@ -248,6 +257,8 @@ def _write_deepspeed_files(engine, staging: Path, client_state: dict, part: int 
             # what DeepSpeed's files cannot say as crew has it: its groups, each parameter's own step
             extras["optimizer_groups"] = groups_by_name(engine)
             extras["optimizer_steps"] = _steps(engine, names, optimizer_state)
+        if tensor_parallel.size() > 1:
+            extras["tensor_parallel"] = {"size": tensor_parallel.size(), "dims": tensor_parallel.dims(engine.module)}
         written[CREW_STATE] = write_atomic(staging / CREW_STATE, obj=extras)
     if part is not None and not engine.zero.shards_params:
         fp32 = fp32_module_state(engine, masters)
@@ -257,10 +268,12 @@ def _write_deepspeed_files(engine, staging: Path, client_state: dict, part: int 
             optimizer_state = deepspeed_writing.as_deepspeeds(
                 engine, deepspeed_writing.kept_by_deepspeed(engine, optimizer_state, names))
         model = deepspeed_writing.model_states(engine, fp32, optimizer_state, names, exclude_frozen, client_state)
-        written[DEEPSPEED_MODEL_STATES] = write_atomic(staging / DEEPSPEED_MODEL_STATES, obj=model)
+        name = tensor_parallel.model_file() if tensor_parallel.size() > 1 else DEEPSPEED_MODEL_STATES
+        written[name] = write_atomic(staging / name, obj=model)
         if engine.zero.stage >= 1 and optimizer_state is not None:
             for rank, content in enumerate(deepspeed_writing.optim_states(engine, fp32, optimizer_state, names)):
-                name = deepspeed_writing.optim_file(rank, engine.precision.dtype == torch.bfloat16)
+                name = deepspeed_writing.optim_file(rank, engine.precision.dtype == torch.bfloat16,
+                                                    tensor_parallel.rank())
                 written[name] = write_atomic(staging / name, obj=content,
                                              pickle_module=deepspeed_writing.DEEPSPEED_PICKLE)
     name = f"rank{comm.get_rank()}.pt"
@@ -390,6 +403,8 @@ def _commit(engine, staging: Path, save_dir: Path, tag: str, save_latest: bool,
                 "format": layout}
     if layout == REPLICATED:
         manifest["model_states_parts"] = parts
+    if tensor_parallel.size() > 1:
+        manifest["tensor_parallel_size"] = tensor_parallel.size()
     manifest["files"] = files
     write_atomic(staging / MANIFEST, data=json.dumps(manifest, indent=1).encode())
     for marker in staging.glob(".shared-*"):

@@ -1,0 +1,221 @@
+"""AutoTP tensor-parallel checkpoints (crew/runtime/checkpoint/tensor_parallel.py) in DeepSpeed 0.19.8's files.
+
+2 ranks (TP 2): a run saved after 2 steps and resumed in a fresh engine trains on with bitwise the losses of the
+run that went on (ZeRO 0 fp32, ZeRO 1 bf16); the tag holds DeepSpeed's files (mp_rank_00/01_model_states.pt with
+each TP rank's slices under Hugging Face's names); save_16bit_model writes the whole weights, which
+transformers' from_pretrained loads; a checkpoint of TP 2 loads into TP 1 (resharded); real DeepSpeed's own
+AutoTP checkpoint (tensor_parallel_data/, make_fixtures.py) loads with DeepSpeed's weights and next loss.
+4 ranks (TP 2 x DP 2, ZeRO 2): the same resume, and DeepSpeed's ZeRO 2 checkpoint of that layout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from dist import run_parts
+
+DATA = Path(__file__).parent / "tensor_parallel_data"
+_spec = importlib.util.spec_from_file_location("make_fixtures", DATA / "make_fixtures.py")
+made = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(made)
+
+
+def _reset() -> None:
+    from crew.runtime import parallel
+    from crew.runtime.tensor_parallel import setup
+    parallel.reset()
+    setup.reset()
+
+
+def _engine(stage: int, precision: str, tp: int = 2):
+    import crew.deepspeed as deepspeed
+    _reset()
+    model = made.make_model()
+    config = {**made.config(stage, precision), "tensor_parallel": {"autotp_size": tp}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _steps(engine, rank: int, first: int, count: int, tp: int = 2) -> list[float]:
+    losses = []
+    for step in range(first, first + count):
+        tokens = made.batch(rank, step) if tp == 2 else made.batch(rank * 2, step)
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+    return losses
+
+
+def _whole(engine) -> dict:
+    from crew.runtime.tensor_parallel import gather_full
+    return {name: gather_full(param).float().clone() for name, param in engine.module.named_parameters()}
+
+
+def _shared_dir() -> Path:
+    import torch.distributed as dist
+
+    import crew.deepspeed as deepspeed
+    deepspeed.init_distributed("gloo")
+    box = [tempfile.mkdtemp(prefix="crew-tp-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def resume(rank: int, stage: int, precision: str) -> dict:
+    """Save after 2 steps, 2 more (A); a fresh engine loads and trains the same 2 (B)."""
+    folder = _shared_dir()
+    engine = _engine(stage, precision)
+    _steps(engine, rank, 0, 2)
+    engine.save_checkpoint(folder, tag="t2", client_state={"mine": 7})
+    going_on = _steps(engine, rank, 2, 2)
+    final = _whole(engine)
+    engine = _engine(stage, precision)
+    path, client = engine.load_checkpoint(folder)
+    resumed = _steps(engine, rank, 2, 2)
+    same = all(torch.equal(final[name], value) for name, value in _whole(engine).items())
+    files = sorted(p.name for p in (folder / "t2").iterdir() if p.name.endswith("_states.pt"))
+    model = torch.load(folder / "t2" / f"mp_rank_0{rank % 2}_model_states.pt", weights_only=True)
+    keys = {key: model[key] for key in ("dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions",
+                                        "global_steps", "mine")}
+    shapes = {name: tuple(value.shape) for name, value in model["module"].items()}
+    return {"A": going_on, "B": resumed, "same": same, "files": files, "keys": keys, "shapes": shapes,
+            "client": client["mine"], "steps": engine.global_steps, "path": Path(path).name}
+
+
+def whole_weights(rank: int) -> dict:
+    """save_16bit_model and _consolidated_16bit_state_dict under TP 2: the whole weights; from_pretrained."""
+    import transformers
+    folder = _shared_dir()
+    engine = _engine(0, "fp32")
+    _steps(engine, rank, 0, 1)
+    whole = _whole(engine)
+    engine.save_16bit_model(folder)
+    consolidated = engine._consolidated_16bit_state_dict()
+    out = {"flag": engine.zero_gather_16bit_weights_on_model_save(), "consolidated": consolidated is not None}
+    if rank == 0:
+        engine.module.config.save_pretrained(folder)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+        out["worst"] = max((loaded.state_dict()[name] - value).abs().max().item() for name, value in whole.items())
+        out["consolidated_worst"] = max((consolidated[name] - value).abs().max().item()
+                                        for name, value in whole.items())
+        out["shapes"] = {name: tuple(value.shape) for name, value in consolidated.items()}
+    return out
+
+
+def reshard(rank: int) -> dict:
+    """A TP 2 checkpoint into TP 1 (2 data-parallel ranks): the whole weights and the next step's loss."""
+    folder = _shared_dir()
+    engine = _engine(0, "fp32")
+    _steps(engine, rank, 0, 2)
+    engine.save_checkpoint(folder, tag="t2")
+    whole = _whole(engine)
+    tokens = made.batch(0, 2)
+    expected = engine(input_ids=tokens, labels=tokens).loss.item()
+    single = _engine(0, "fp32", tp=1)
+    single.load_checkpoint(folder)
+    same = all(torch.equal(param.detach(), whole[name]) for name, param in single.module.named_parameters())
+    loss = single(input_ids=tokens, labels=tokens).loss.item()
+    exported = None
+    if rank == 0:  # `crew export`: every TP rank's slices joined
+        from crew.runtime.checkpoint import export
+        export(folder, folder / "whole.pt")
+        saved = torch.load(folder / "whole.pt", weights_only=True)
+        exported = all(torch.equal(saved[name], value) for name, value in whole.items())
+    return {"same": same, "loss": abs(loss - expected), "steps": single.global_steps, "exported": exported}
+
+
+def deepspeeds(rank: int, case: str, tp: int = 2) -> dict:
+    """Real DeepSpeed's AutoTP checkpoint into crew at its own layout (tp 2), or resharded to TP 1."""
+    stage, precision, _ = made.CASES[case]
+    expected = torch.load(DATA / case / "expected.pt", weights_only=True)
+    engine = _engine(stage, precision, tp)
+    _, client = engine.load_checkpoint(DATA / case)
+    worst = max((value - expected["state_dict"][name].float()).abs().max().item()
+                for name, value in _whole(engine).items())
+    sample = rank if tp == 2 else 0  # TP 1: rank 0's sample on every rank
+    tokens = made.batch(sample, 2)
+    loss = engine(input_ids=tokens, labels=tokens).loss.item()
+    return {"worst": worst, "loss": abs(loss - expected["next_losses"][sample]), "note": client["note"],
+            "steps": engine.global_steps}
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_parts({"resume0": (resume, 0, "fp32"), "resume1": (resume, 1, "bf16"), "whole": (whole_weights,),
+                      "reshard": (reshard,), "deepspeed0": (deepspeeds, "stage0_fp32"),
+                      "deepspeed0_tp1": (deepspeeds, "stage0_fp32", 1)}, world_size=2)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_parts({"resume2": (resume, 2, "fp32"), "deepspeed2": (deepspeeds, "stage2_fp32_dp2")},
+                     world_size=4)
+
+
+@pytest.mark.parametrize("part", ["resume0", "resume1"])
+def test_resume_trains_on_with_the_same_losses(two, part):
+    for result in two[part]:
+        assert result["A"] == result["B"]
+        assert result["same"] and result["steps"] == 4 and result["client"] == 7 and result["path"] == "t2"
+
+
+def test_the_files_are_deepspeeds(two):
+    zero0, zero1 = two["resume0"][0], two["resume1"][0]
+    assert zero0["files"] == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+    assert zero1["files"] == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                              "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+                              "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+    assert zero0["keys"] == {"dp_world_size": 1, "mp_world_size": 2, "global_steps": 2, "mine": 7,
+                             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 2}}
+    shapes = zero0["shapes"]  # each TP rank's slices, Hugging Face's names (as DeepSpeed's, measured)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (8, 16)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (16, 8)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (16, 16)
+    assert shapes["model.embed_tokens.weight"] == (32, 16) and shapes["model.norm.weight"] == (16,)
+
+
+def test_whole_weights_load_with_from_pretrained(two):
+    first = two["whole"][0]
+    assert first["worst"] <= 1e-6 and first["consolidated_worst"] == 0
+    assert first["shapes"]["model.layers.0.self_attn.q_proj.weight"] == (16, 16)
+    assert first["shapes"]["lm_head.weight"] == (32, 16)
+    assert [r["flag"] for r in two["whole"]] == [True, True]
+    assert [r["consolidated"] for r in two["whole"]] == [True, False]
+
+
+def test_a_tp2_checkpoint_loads_into_tp1_and_exports_whole(two):
+    for result in two["reshard"]:
+        assert result["same"] and result["loss"] < 1e-5 and result["steps"] == 2
+    assert two["reshard"][0]["exported"]
+
+
+def test_deepspeeds_autotp_checkpoint_exports_whole(tmp_path):
+    from crew.runtime.checkpoint import export
+    for case in made.CASES:
+        export(DATA / case, tmp_path / f"{case}.pt")
+        saved = torch.load(tmp_path / f"{case}.pt", weights_only=True)
+        expected = torch.load(DATA / case / "expected.pt", weights_only=True)["state_dict"]
+        assert list(saved) == list(expected)
+        assert all(torch.equal(saved[name], value.float()) for name, value in expected.items())
+
+
+@pytest.mark.parametrize("world,part", [(2, "deepspeed0"), (2, "deepspeed0_tp1"), (4, "deepspeed2")])
+def test_deepspeeds_autotp_checkpoint_loads(two, four, world, part):
+    for result in (two if world == 2 else four)[part]:
+        assert result["worst"] == 0 and result["loss"] < 1e-5
+        assert result["note"] == "fixture" and result["steps"] == 2
+
+
+def test_zero2_over_data_parallel_ranks_resumes(four):
+    results = four["resume2"]
+    for result in results:
+        assert result["A"] == result["B"] and result["same"] and result["steps"] == 4
+    assert results[0]["files"] == sorted(["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"] +
+                                         [f"zero_pp_rank_{d}_mp_rank_0{t}_optim_states.pt"
+                                          for d in range(2) for t in range(2)])
+    assert results[0]["keys"]["dp_world_size"] == 2 and results[0]["keys"]["mp_world_size"] == 2
