@@ -192,6 +192,14 @@ def common_keys(engine, client_state: dict) -> dict:
     return out
 
 
+def with_universal_info(model: dict, info: dict) -> dict:
+    """The model states dict with AutoTP's universal_checkpoint_info where DeepSpeed puts it: after its own keys,
+    before client_state's."""
+    own = {key: value for key, value in model.items() if key in ENGINE_KEYS}
+    return {**own, "universal_checkpoint_info": info,
+            **{key: value for key, value in model.items() if key not in own}}
+
+
 def _persistent_buffers(module: torch.nn.Module):
     """engine.py _get_buffer_names: the buffers the state dict holds."""
     for prefix, child in module.named_modules():

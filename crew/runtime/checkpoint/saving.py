@@ -268,6 +268,8 @@ def _write_deepspeed_files(engine, staging: Path, client_state: dict, part: int 
             optimizer_state = deepspeed_writing.as_deepspeeds(
                 engine, deepspeed_writing.kept_by_deepspeed(engine, optimizer_state, names))
         model = deepspeed_writing.model_states(engine, fp32, optimizer_state, names, exclude_frozen, client_state)
+        if tensor_parallel.size() > 1:  # before client_state's keys, as DeepSpeed's _save_checkpoint
+            model = deepspeed_writing.with_universal_info(model, tensor_parallel.universal_info(engine.module))
         name = tensor_parallel.model_file() if tensor_parallel.size() > 1 else DEEPSPEED_MODEL_STATES
         written[name] = write_atomic(staging / name, obj=model)
         if engine.zero.stage >= 1 and optimizer_state is not None:

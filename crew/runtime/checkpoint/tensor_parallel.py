@@ -67,6 +67,53 @@ def dims(module: torch.nn.Module) -> dict[str, int]:
             if getattr(param, TP_DIM, None) is not None}
 
 
+def universal_info(module: torch.nn.Module) -> dict:
+    """DeepSpeed's universal_checkpoint_info (module_inject/layers.py collect_autotp_universal_checkpoint_info) for
+    crew's plain splits: which weights are row-parallel, replicated or vocabulary-parallel, and the affine map of
+    each one's slices in its whole tensor, what ds_to_universal.py reads."""
+    tp = size()
+    output = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    vocabulary = {id(output.weight)} if isinstance(getattr(output, "weight", None), torch.Tensor) else set()
+    kinds: dict[str, list] = {"row": [], "replicated": [], "vocabulary": []}
+    params, vocab_size = {}, None
+    for name, param in module.named_parameters():
+        pattern = rf"^{re.escape(name)}$"
+        dim = getattr(param, TP_DIM, None)
+        if dim is None:
+            kinds["replicated"].append(pattern)
+        elif dim == 1:
+            kinds["row"].append(pattern)
+        elif id(param) in vocabulary:
+            kinds["vocabulary"].append(pattern)
+            vocab_size = param.shape[0] * tp
+        params[pattern] = _affine(tuple(param.shape), dim, tp)
+    ordered = dict(sorted(params.items(), key=lambda item: item[0] in kinds["replicated"]))  # as DeepSpeed's
+    return {"universal_checkpoint_version": 0.4, "parameter_with_row_parallelism_patterns": sorted(kinds["row"]),
+            "tp_replicated_parameter_patterns": sorted(kinds["replicated"]),
+            "vocabulary_parameter_patterns": sorted(kinds["vocabulary"]), "parameter_with_sub_params": [],
+            "autotp_unsupported_parameter_patterns": {}, "original_vocab_size": vocab_size,
+            "affine_map": {"version": 1, "params": ordered}}
+
+
+def _affine(local: tuple, dim: int | None, tp: int) -> dict:
+    """One parameter's affine map: each TP rank's slice as a piece at an offset of the whole, contiguous tensor."""
+    whole = list(local) if dim is None else [n * tp if i == dim else n for i, n in enumerate(local)]
+
+    def strides(shape):
+        out = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            out[i] = out[i + 1] * shape[i + 1]
+        return out
+
+    ranks = {}
+    for index in range(tp):
+        offset = 0 if dim is None else index * local[dim] * strides(whole)[dim]
+        ranks[index] = {"shard_shape": list(local), "pieces": [{
+            "shape": list(local), "source": [offset, strides(whole)], "dest": [0, strides(list(local))],
+            "locations": list(range(tp)) if dim is None else [index]}]}
+    return {"logical_shape": whole, "ranks": ranks}
+
+
 def check_save(engine, shared: bool, what: str) -> None:
     if engine.zero.shards_params:
         raise CheckpointError(f"{what}: ZeRO stage 3 with tensor_parallel.autotp_size {size()} is not supported "

@@ -82,7 +82,9 @@ def resume(rank: int, stage: int, precision: str) -> dict:
     model = torch.load(folder / "t2" / f"mp_rank_0{rank % 2}_model_states.pt", weights_only=True)
     keys = {key: model[key] for key in ("dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions",
                                         "global_steps", "mine")}
+    keys["universal"] = model["universal_checkpoint_info"]  # as DeepSpeed's for the same model (ds_to_universal)
     shapes = {name: tuple(value.shape) for name, value in model["module"].items()}
+    keys["order"] = list(model)
     return {"A": going_on, "B": resumed, "same": same, "files": files, "keys": keys, "shapes": shapes,
             "client": client["mine"], "steps": engine.global_steps, "path": Path(path).name}
 
@@ -170,8 +172,12 @@ def test_the_files_are_deepspeeds(two):
     assert zero1["files"] == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
                               "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
                               "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+    deepspeeds = torch.load(DATA / "stage0_fp32" / "t2" / "mp_rank_00_model_states.pt", weights_only=True)
+    order = zero0["keys"].pop("order")
+    assert order == [key if key != "note" else "mine" for key in deepspeeds]  # DeepSpeed's keys, in its order
     assert zero0["keys"] == {"dp_world_size": 1, "mp_world_size": 2, "global_steps": 2, "mine": 7,
-                             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 2}}
+                             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 2},
+                             "universal": deepspeeds["universal_checkpoint_info"]}
     shapes = zero0["shapes"]  # each TP rank's slices, Hugging Face's names (as DeepSpeed's, measured)
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (8, 16)
     assert shapes["model.layers.0.self_attn.o_proj.weight"] == (16, 8)
