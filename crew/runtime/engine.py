@@ -69,7 +69,9 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
         # AutoTP splits the model first (as DeepSpeed); data parallelism is then over the ranks holding one slice
         self.tp_section, tp_replaced = tensor_parallel.prepare(model, config)
         self.mp_world_size = parallel.tensor_parallel_size()
-        self.dp_world_size = self.seq_dp_world_size = parallel.data_parallel_size()
+        self.dp_world_size = parallel.data_parallel_size()
+        # DeepSpeed's sequence-data-parallel group: the SP ranks of every data-parallel replica, which reduce together
+        self.seq_dp_world_size = self.dp_world_size * parallel.sequence_parallel_size()
         self.zero = zero.Zero(config.zero_optimization, self.world_size, self.device, parallel.data_parallel_group())
         self.precision: Precision = make_precision(config.fp16, config.bf16, sharded=self.zero.shards_params,
                                                    offload=self.zero.offload if self.zero.offload_optimizer else None)

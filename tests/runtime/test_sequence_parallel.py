@@ -127,6 +127,7 @@ def train_sp(rank: int, stage: int, sp: int) -> dict:
         total = torch.tensor([loss])
         torch.distributed.all_reduce(total)
         layout = (engine.sequence_parallel_size, torch.distributed.get_world_size(engine.seq_parallel_group),
+                  engine.dp_world_size, engine.seq_dp_world_size,
                   crew.deepspeed.utils.groups._get_sequence_data_parallel_world_size())
     finally:
         restore_sdpa()
@@ -152,9 +153,11 @@ def adapter_batches(rank: int) -> dict:
              "position_ids": torch.arange(length)[None], "tag": f"from {rank}"}
     loader = UlyssesSPDataLoaderAdapter(ListLoader([batch]), sp_rank=rank, sp_group=parallel.sequence_parallel_group(),
                                         sp_world_size=2, device="cpu")
-    first = list(loader)
-    second = list(loader)  # StopIteration reset the wrapped iterator: a second epoch
-    parallel.reset()
+    try:
+        first = list(loader)
+        second = list(loader)  # StopIteration reset the wrapped iterator: a second epoch
+    finally:
+        parallel.reset()
     return {"len": len(loader), "first": first, "second_len": len(second)}
 
 
@@ -226,12 +229,132 @@ def assert_equals_one_process(results: list[dict]) -> None:
 def test_two_ranks_sp2_equal_one_process(two_ranks, stage):
     results = two_ranks[f"stage {stage}"]
     assert_equals_one_process(results)
-    assert results[0]["layout"] == (2, 2, 2)
+    assert results[0]["layout"] == (2, 2, 1, 2, 2)
 
 
-@pytest.mark.parametrize("part, layout", [("sp 2 stage 2", (2, 2, 4)), ("sp 4 stage 1", (4, 4, 4))])
+@pytest.mark.parametrize("part, layout", [("sp 2 stage 2", (2, 2, 2, 4, 4)), ("sp 4 stage 1", (4, 4, 1, 4, 4))])
 def test_four_ranks_equal_one_process(four_ranks, part, layout):
     """SP 2 x DP 2 (a global batch of two samples), and SP 4, where each of the 2 kv heads is replicated."""
     results = four_ranks[part]
     assert_equals_one_process(results)
     assert results[0]["layout"] == layout
+
+
+def test_adapter_shards_each_ranks_batch_in_turn(two_ranks):
+    """Rank 0 draws 8 tokens, rank 1 12: micro step 0 is rank 0's batch in halves of 4, step 1 rank 1's in 6s."""
+    for rank, result in enumerate(two_ranks["adapter"]):
+        assert result["len"] == 2 and result["second_len"] == 2
+        first, second = result["first"]
+        assert "labels" not in first and first["tag"] == "from 0" and second["tag"] == "from 1"
+        assert first["input_ids"].tolist() == [list(range(4 * rank, 4 * rank + 4))]
+        assert first["position_ids"].tolist() == [list(range(4 * rank, 4 * rank + 4))]
+        assert first["shift_labels"].tolist() == [[1, 2, 3, 4] if rank == 0 else [5, 6, 7, -100]]
+        assert second["input_ids"].tolist() == [list(range(100 + 6 * rank, 106 + 6 * rank))]
+        assert second["shift_labels"][0, -1].item() == (-100 if rank == 1 else 106)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("eager", ["'eager'", "4D attention_mask", "'sdpa'"]),
+    ("mismatch", ["'flex_attention'", "LlamaForCausalLM", "attn_implementation='sdpa'", "same value"]),
+    ("no config", ["Linear", "transformers config", "PreTrainedModel"]),
+    ("fixed length", ["seq_length_is_variable=False", "seq_length="]),
+    ("world < sp", ["world_size (2) is less than sequence_parallel_size 3", "at least 3 ranks"]),
+    ("not initialized", ["not initialized", "register_with_transformers"]),
+    ("heads", ["3 attention heads", "size 2", "divisor"]),
+    ("kv heads", ["3 key/value heads", "size 2", "vice versa"]),
+    ("no position_ids", ["without position_ids", "torch.arange(seq_len)", "UlyssesSPDataLoaderAdapter"]),
+    ("seqlen", ["seqlen=15", "sp-size=2", "multiple of 2"]),
+    ("no positions", ["no 'position_ids'", "'input_ids'", "collator"]),
+    ("config vs mpu", ["sequence_parallel_size = 4", "2"]),
+])
+def test_bad_input_gets_a_clear_error(two_ranks, case, words):
+    for seen in two_ranks["errors"]:
+        assert seen[case] is not None, f"{case}: no error"
+        for word in words:
+            assert word in seen[case], seen[case]
+
+
+# -- tiled compute: one process, no group ---------------------------------------------------------------
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate, self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def mlp_forward(module, x):
+    return module(x)
+
+
+def grads_of(fn, module, x) -> tuple:
+    """fn's output and the gradients of x and the module's weights, for a fixed incoming gradient."""
+    x = x.detach().requires_grad_(True)
+    module.zero_grad()
+    out = fn(x)
+    weight = torch.linspace(-1, 1, out.numel()).reshape(out.shape) if out.dim() else torch.tensor(1.0)
+    (out * weight).sum().backward()
+    return out.detach(), x.grad, [p.grad.clone() for p in module.parameters()]
+
+
+def assert_same(actual: tuple, expected: tuple) -> None:
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(actual[1], expected[1], rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(actual[2], expected[2]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tiled_mlp_and_autograd_mlp_equal_the_plain_mlp(batch):
+    from crew.runtime.ulysses import AutogradComputeMLP, TiledMLP
+    module, x = Mlp(), torch.randn(batch, 10, 8, generator=torch.Generator().manual_seed(2))
+    plain = grads_of(module, module, x)
+    params = list(module.parameters())
+    assert_same(grads_of(lambda t: TiledMLP.apply(mlp_forward, module, t, 3, params), module, x), plain)
+    assert_same(grads_of(lambda t: AutogradComputeMLP.apply(mlp_forward, module, t), module, x), plain)
+    assert all(p.ds_grad_is_ready for p in params)  # DeepSpeed ZeRO's flag, left set after the last tile
+
+
+def test_sequence_tiled_compute_equals_untiled():
+    from crew.runtime.ulysses import sequence_tiled_compute
+    module, x = Mlp(), torch.randn(2, 10, 8, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 10, 1)
+
+    def fn(hidden, scale, offset):
+        return module(hidden) * scale + offset
+
+    plain = grads_of(lambda t: fn(t, mask, 0.5), module, x)
+    tiled = grads_of(lambda t: sequence_tiled_compute(fn, 10, 4, {"hidden": t, "scale": mask}, {"offset": 0.5},
+                                                      "hidden", list(module.parameters()), 1, None), module, x)
+    assert_same(tiled, plain)
+    summed = grads_of(lambda t: sequence_tiled_compute(fn, 10, 4, {"hidden": t, "scale": mask}, {"offset": 0.5},
+                                                       "hidden", None, 1, "sum"), module, x)
+    assert_same(summed, grads_of(lambda t: fn(t, mask, 0.5).sum(), module, x))
+    with pytest.raises(ValueError, match="'max'"):
+        sequence_tiled_compute(fn, 10, 4, {"hidden": x, "scale": mask}, {"offset": 0.5}, "hidden",
+                               output_reduction="max")
+
+
+def test_tiled_fused_logits_loss_equals_untiled():
+    from crew.runtime.ulysses import TiledFusedLogitsLoss
+    torch.manual_seed(4)
+    head, x = torch.nn.Linear(8, 32), torch.randn(2, 12, 8)
+    y = torch.randint(0, 32, (2, 12))
+
+    def loss_fn(module, hidden, labels):
+        return torch.nn.functional.cross_entropy(module(hidden).view(-1, 32), labels.view(-1))
+
+    # 24 tokens in 4 tiles of 6: the mean of the tiles' means is the mean
+    plain = grads_of(lambda t: loss_fn(head, t, y), head, x)
+    tiled = grads_of(lambda t: TiledFusedLogitsLoss.apply(loss_fn, head, t, y, None, 4, [head.weight, head.bias],
+                                                          "mean"), head, x)
+    assert_same(tiled, plain)
+    # as DeepSpeed's: backward scales x's gradient by the incoming one; the weights' were made in forward, unscaled
+    x3 = x.detach().requires_grad_(True)
+    (TiledFusedLogitsLoss.apply(loss_fn, head, x3, y, None, 4, [], "mean") * 3).backward()
+    torch.testing.assert_close(x3.grad, plain[1] * 3, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="batch/seq dims must match"):
+        TiledFusedLogitsLoss.apply(loss_fn, head, x, y[:, :5], None, 4, [], "mean")

@@ -89,10 +89,15 @@ class UlyssesSPDataLoaderAdapter:
             raise UlyssesBatchError(f"UlyssesSPDataLoaderAdapter: batch['{key}'] has shape {tuple(value.shape)}, but "
                                     f"input_ids has {tuple(input_shape)}: every tensor in the batch is sharded on "
                                     "dim 1 and must have the same sequence length as input_ids.")
-        parts = [torch.zeros((value.shape[0], length), dtype=value.dtype, device=value.device) for length in lengths]
+        # padded to the longest: gloo gathers equal shapes only
+        longest = max(lengths)
+        padded = torch.nn.functional.pad(value, (0, longest - value.shape[1])) if value.dim() == 2 else value
+        if value.dim() > 2 and longest != value.shape[1]:
+            padded = torch.cat([value, value.new_zeros(value.shape[0], longest - value.shape[1], *value.shape[2:])], 1)
+        parts = [torch.zeros_like(padded) for _ in lengths]
         with torch.no_grad():
-            dist.all_gather(parts, value, group=self.sp_group)
-        return parts
+            dist.all_gather(parts, padded.contiguous(), group=self.sp_group)
+        return [part[:, :length] for part, length in zip(parts, lengths)]
 
     def _slice(self, batch: dict) -> dict:
         """This rank's share of one whole batch, with labels shifted into shift_labels."""
