@@ -116,7 +116,7 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
             "mp": engine.mp_world_size, "dp": engine.dp_world_size, "autotp": engine.autotp_size(),
             "norm": float(engine.get_global_grad_norm()),
             "steps_the_module": {id(p) for g in built.param_groups for p in g["params"]}
-            == {id(p) for p in engine.module.parameters()}}
+            == {id(p) for p in engine.module.parameters()}, "config_kept": "tensor_parallel" in cfg}
 
 
 def errors(rank: int) -> dict:
@@ -143,6 +143,8 @@ def errors(rank: int) -> dict:
     attempt("with_sp", tiny(), config(2), before=lambda: parallel.init_sequence_parallel(2))
     attempt("partition_config", tiny(), config(2) | {"tensor_parallel": {"autotp_size": 2, "partition_config": {}}})
     attempt("typo", tiny(), config(2) | {"tensor_parallel": {"autotp_size": 2, "tp_overlap": True}})
+    model = tiny()
+    attempt("conflict", model, config(2, tp=1), before=lambda: deepspeed.tp_model_init(model, 2, torch.float32))
     reset()
     engine, *_ = deepspeed.initialize(model=tiny(), config=config(2))
     x = samples(2)[rank]  # a different sample on each rank of the TP group
@@ -213,6 +215,7 @@ def test_gradient_clipping_uses_the_whole_models_norm(two):
 
 def test_an_optimizer_built_before_initialize_steps_the_slices(two):
     assert all(result["steps_the_module"] for result in two["client"])  # the slices, not the whole weights
+    assert not any(result["config_kept"] for result in two["client"])  # tp_model_init merged into a copy
 
 
 @pytest.mark.parametrize("part", ["stage0", "stage1", "stage2", "stage2_clipped", "stage1_accumulating"])
@@ -231,6 +234,7 @@ def test_tp2_dp2_zero_trains_as_one_process(four, part):
     ("partition_config", ["tensor_parallel.partition_config"]),
     ("typo", ["tensor_parallel.tp_overlap", "Did you mean 'tp_overlap_comm'?"]),
     ("inputs", ["Data inconsistency within the TP group", "ranks [0, 1]"]),
+    ("conflict", ["tensor_parallel.autotp_size in config (1) and tp_model_init (2)"]),
 ])
 def test_bad_set_ups_fail_with_a_clear_message(two, name, words):
     for found in two["errors"]:

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +50,12 @@ def reset() -> None:
 def merged_config(raw: Any) -> Any:
     """`raw` with tp_model_init's tp_size filled into tensor_parallel.autotp_size (a copy: the caller's dict is
     left as it is). The config wins where both say something, and must agree with tp_model_init."""
-    if _recorded is None or not isinstance(raw, dict):
+    if _recorded is None or raw is None:
+        return raw
+    if isinstance(raw, (str, os.PathLike)):
+        from crew.runtime.config_file import read_json
+        raw = read_json(Path(raw))
+    if not isinstance(raw, dict):
         return raw
     size, dtype = _recorded["tp_size"], _recorded["dtype"]
     work = copy.copy(raw)
@@ -83,13 +90,15 @@ def apply(model: torch.nn.Module, section: TPTrainingConfig, stage: int) -> dict
     """Split `model` over the TP groups; {id(whole param): slice}. A no-op below autotp_size 2 or when the
     model was split already (an earlier engine's)."""
     size = section.autotp_size
-    if size <= 1 or getattr(model, "ds_autotp_parsed", False):
+    if size <= 1:
         return {}
     if stage == 3:
         raise ConfigError(f"{SECTION}.autotp_size = {size} with zero_optimization.stage 3: crew does not combine "
                           "AutoTP with ZeRO stage 3 yet. Use stage 0, 1 or 2 with autotp_size, or stage 3 without "
                           f"{SECTION}.")
     parallel.init_tensor_parallel(size)
+    if getattr(model, "ds_autotp_parsed", False):  # split by an earlier engine (Lightning's fit, then test)
+        return {}
     autotp.check_model(model, size)
     group = parallel.tensor_parallel_group()
     _broadcast_whole(model, group)
