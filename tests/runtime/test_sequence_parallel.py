@@ -91,8 +91,9 @@ def sp_loss(batch: dict, outputs, group) -> torch.Tensor:
     return (torch.where(counts > 0, losses, torch.zeros_like(losses)) * counts).sum() / counts.sum().clamp(min=1)
 
 
-def train_sp(rank: int, stage: int, sp: int) -> dict:
-    """One step under SP `sp` at ZeRO `stage`; the largest differences from the one-process reference."""
+def train_sp(rank: int, stage: int, sp: int, variable: bool = True) -> dict:
+    """One step under SP `sp` at ZeRO `stage`; the largest differences from the one-process reference.
+    variable=False: registered for a fixed seq_length (seq_length_is_variable=False)."""
     import crew
     import crew.deepspeed.utils
     from crew.deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
@@ -103,7 +104,7 @@ def train_sp(rank: int, stage: int, sp: int) -> dict:
     expected = reference(model, data[::sp])  # a micro step: SP rank 0's sample of each SP group
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=sp, micro_batch_size=1,
-        seq_length=SEQ, seq_length_is_variable=True)
+        seq_length=SEQ, seq_length_is_variable=variable)
     try:
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
                   "zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": LR}},
@@ -139,6 +140,32 @@ def train_sp(rank: int, stage: int, sp: int) -> dict:
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected).norm() / expected.norm().clamp(min=1e-12)).item()
+
+
+def eval_bypass(rank: int) -> float:
+    """disable_in_eval=True: a model in eval mode attends over each rank's whole batch, as one process."""
+    import crew
+    from crew.runtime.ulysses import UlyssesSPAttentionHF
+    crew.init_distributed("gloo")
+    model = tiny_llama().eval()
+    x = samples(1)[0]
+    with torch.no_grad():
+        expected = model(input_ids=x).logits
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, disable_in_eval=True)
+        try:
+            got = model(input_ids=x, position_ids=torch.arange(SEQ)[None]).logits
+        finally:
+            restore_sdpa()
+    return (got - expected).abs().max().item()
+
+
+def indivisible(rank: int) -> str:
+    from crew.runtime.ulysses import UlyssesSPAttentionHF
+    try:
+        UlyssesSPAttentionHF.register_with_transformers(tiny_llama(), "sdpa", 3, 1)
+    except Exception as error:  # noqa: BLE001 - the test reads it
+        return f"{type(error).__name__}: {error}"
+    return "no error"
 
 
 def adapter_batches(rank: int) -> dict:
@@ -208,13 +235,14 @@ def sp_errors(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_parts({"stage 0": (train_sp, 0, 2), "stage 3": (train_sp, 3, 2), "adapter": (adapter_batches,),
-                      "errors": (sp_errors,)}, 2)
+    return run_parts({"stage 0": (train_sp, 0, 2), "stage 3": (train_sp, 3, 2, False), "eval": (eval_bypass,),
+                      "adapter": (adapter_batches,), "errors": (sp_errors,)}, 2)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_parts({"sp 2 stage 2": (train_sp, 2, 2), "sp 4 stage 1": (train_sp, 1, 4)}, 4)
+    return run_parts({"sp 2 stage 2": (train_sp, 2, 2), "sp 4 stage 1": (train_sp, 1, 4),
+                      "sp 3": (indivisible,)}, 4)
 
 
 def assert_equals_one_process(results: list[dict]) -> None:
@@ -238,6 +266,16 @@ def test_four_ranks_equal_one_process(four_ranks, part, layout):
     results = four_ranks[part]
     assert_equals_one_process(results)
     assert results[0]["layout"] == layout
+
+
+def test_eval_mode_bypasses_sp_with_disable_in_eval(two_ranks):
+    assert max(two_ranks["eval"]) < 1e-5
+
+
+def test_sp_size_must_divide_the_world(four_ranks):
+    for seen in four_ranks["sp 3"]:
+        assert "world_size (4) is not divisible by sequence_parallel_size 3" in seen
+        assert "multiple of 3 ranks" in seen
 
 
 def test_adapter_shards_each_ranks_batch_in_turn(two_ranks):
