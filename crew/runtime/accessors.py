@@ -28,6 +28,7 @@ import torch
 from crew.errors import ConfigError, CrewError
 from crew.runtime import gradnorm, parallel, registry
 from crew.runtime.casting import dtype_named
+from crew.runtime.checkpoint import tensor_parallel as tensor_parallel_checkpoint
 from crew.runtime.config_view import DeepSpeedConfig, deepspeed_optimizer_name
 from crew.runtime.zero.stage3 import shards_visible
 
@@ -325,8 +326,8 @@ class DeepSpeedAccessors:
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """zero_optimization.stage3_gather_16bit_weights_on_model_save (or its old fp16 name); False by default."""
         section = self.crew_config.raw.get("zero_optimization") or {}
-        return bool(section.get("stage3_gather_16bit_weights_on_model_save",
-                                section.get("stage3_gather_fp16_weights_on_model_save", False)))
+        return bool(section.get("stage3_gather_16bit_weights_on_model_save", section.get(  # AutoTP: gathered
+            "stage3_gather_fp16_weights_on_model_save", parallel.tensor_parallel_size() > 1)))
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """DeepSpeed's: at stage 3 the whole state dict in the training dtype, on the CPU, on rank 0 (None on the
@@ -353,9 +354,11 @@ class DeepSpeedAccessors:
         return state
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
-        """DeepSpeed's: the ZeRO-3 one at stage 3 (crew has no tensor parallelism, its other case)."""
+        """DeepSpeed's: the ZeRO-3 one at stage 3, AutoTP's slices gathered whole under TP."""
         if self.zero.shards_params:
             return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if parallel.tensor_parallel_size() > 1:  # AutoTP: the slices gathered (crew/runtime/checkpoint)
+            return tensor_parallel_checkpoint.whole_state(self, self.precision.dtype, exclude_frozen_parameters)
         raise ValueError("consolidated_16bit_state_dict is only applicable to cases where weights are partitioned, "
                          "including Zero Stage 3 and tensor parallelism.")
 
