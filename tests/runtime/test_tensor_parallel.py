@@ -174,8 +174,9 @@ def loader(rank: int) -> list:
 TWO = {"llama": (train, 0), "clipped": (train, 0, 2, 1.0), "client": (train, 0, 2, 0.0, "llama", True),
        "qwen2": (train, 0, 2, 0.0, "qwen2"), "qwen3": (train, 0, 2, 0.0, "qwen3"), "errors": (errors,),
        "loader": (loader,), "whole": (train, 0, 1)}
-FOUR = {f"stage{stage}": (train, stage) for stage in (0, 1, 2)} | {
-    "stage2_clipped": (train, 2, 2, 1.0), "stage1_accumulating": (train, 1, 2, 1.0, "llama", False, 2)}
+# stage 0: DDP over the dp group; stage 1 accumulating 2 micro steps, stage 2 clipping (its norm over dp and tp)
+FOUR = {"stage0": (train, 0), "stage1_accumulating_clipped": (train, 1, 2, 1.0, "llama", False, 2),
+        "stage2_clipped": (train, 2, 2, 1.0)}
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +219,7 @@ def test_an_optimizer_built_before_initialize_steps_the_slices(two):
     assert not any(result["config_kept"] for result in two["client"])  # tp_model_init merged into a copy
 
 
-@pytest.mark.parametrize("part", ["stage0", "stage1", "stage2", "stage2_clipped", "stage1_accumulating"])
+@pytest.mark.parametrize("part", list(FOUR))
 def test_tp2_dp2_zero_trains_as_one_process(four, part):
     for result in four[part]:
         assert result["loss"] < TOL and result["weights"] < TOL, result
