@@ -11,6 +11,9 @@ all-reduce, which runs during the boundary micro step's backward; non-boundary m
 parameters too, and averages each micro step's gradients into the rank that owns each parameter
 (hooks, crew/runtime/zero/stage2.py); stage 3 shards the model with FSDP2, which reduce-scatters on
 every micro step (crew/runtime/zero/).
+
+Under AutoTP (tensor_parallel.autotp_size > 1, crew/runtime/tensor_parallel/) the model is split first, and
+"across ranks" above means across the data-parallel group: the ranks that hold the same slices.
 """
 
 from __future__ import annotations
