@@ -78,7 +78,7 @@ def differences(engine, ref_state: dict) -> float:
 
 
 def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "llama",
-          client_optimizer: bool = False, gas: int = 1) -> dict:
+          client_optimizer: bool = False, gas: int = 1, sizes: dict | None = None) -> dict:
     """STEPS steps under TP `tp`; this rank's losses minus the reference's, and the largest weight difference."""
     import torch.distributed as dist
 
@@ -87,7 +87,7 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
     deepspeed.init_distributed("gloo")
     world = dist.get_world_size()
     dp = world // tp
-    model = tiny(kind)
+    model = tiny(kind, **(sizes or {}))
     data = samples(STEPS * dp * gas)
     ref = reference(model, data, dp * gas, clip)
     # crew, as DeepSpeed, clips at 1.0 unless told
@@ -173,7 +173,10 @@ def loader(rank: int) -> list:
 
 TWO = {"llama": (train, 0), "clipped": (train, 0, 2, 1.0), "client": (train, 0, 2, 0.0, "llama", True),
        "qwen2": (train, 0, 2, 0.0, "qwen2"), "qwen3": (train, 0, 2, 0.0, "qwen3"), "errors": (errors,),
-       "loader": (loader,), "whole": (train, 0, 1)}
+       "loader": (loader,), "whole": (train, 0, 1),
+       # lm_head tied to the embedding (kept whole), biases on the row-parallel o_proj/down_proj (added once)
+       "tied_biased": (train, 0, 2, 0.0, "llama", False, 1,
+                       {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True})}
 # stage 0: DDP over the dp group; stage 1 accumulating 2 micro steps, stage 2 clipping (its norm over dp and tp)
 FOUR = {"stage0": (train, 0), "stage1_accumulating_clipped": (train, 1, 2, 1.0, "llama", False, 2),
         "stage2_clipped": (train, 2, 2, 1.0)}
@@ -189,7 +192,7 @@ def four():
     return run_parts(FOUR, 4)
 
 
-@pytest.mark.parametrize("part", ["llama", "clipped", "client", "qwen2", "qwen3"])
+@pytest.mark.parametrize("part", ["llama", "clipped", "client", "qwen2", "qwen3", "tied_biased"])
 def test_tp2_trains_as_one_process(two, part):
     for result in two[part]:
         assert result["loss"] < TOL and result["weights"] < TOL, result

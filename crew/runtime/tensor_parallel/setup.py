@@ -99,12 +99,24 @@ def apply(model: torch.nn.Module, section: TPTrainingConfig, stage: int) -> dict
     parallel.init_tensor_parallel(size)
     if getattr(model, "ds_autotp_parsed", False):  # split by an earlier engine (Lightning's fit, then test)
         return {}
+    _refuse_placeholders(model, size)
     autotp.check_model(model, size)
     group = parallel.tensor_parallel_group()
     _broadcast_whole(model, group)
     replaced = autotp.replace(model, group, size)
     _arm_input_check(model, group)
     return replaced
+
+
+def _refuse_placeholders(model: torch.nn.Module, size: int) -> None:
+    """AutoTP cuts its slices from the whole weights, so they must be there (not meta, not zero.Init's pieces)."""
+    from crew.runtime.zero import Zero, partition_parameters
+    Zero.refuse_meta(model)
+    split = [name for name, p in model.named_parameters() if partition_parameters.is_partitioned(p)]
+    if split:
+        raise ConfigError(f"{SECTION}.autotp_size = {size}: the model was built under deepspeed.zero.Init, so its "
+                          f"parameters ({split[0]}, ...) are partitioned placeholders; build it without zero.Init "
+                          "(crew combines AutoTP with ZeRO stages 0-2 only).")
 
 
 def _broadcast_whole(model: torch.nn.Module, group) -> None:
