@@ -212,6 +212,7 @@ def sp_errors(rank: int) -> dict:
     message("fixed length", lambda: register(model, "sdpa", 2, 1, seq_length_is_variable=False))
     message("world < sp", lambda: register(model, "sdpa", 3, 1))
     message("not initialized", mpu.get_sequence_parallel_group)
+    seen["size 1"] = register(model, "sdpa", 1, 1)  # SP off: nothing registered, no mpu
     mpu.initialize_sequence_parallel(2)
     group = mpu.get_sequence_parallel_group()
     attention = dict(attn=None, batch_size=1, attn_head_size=16, num_hidden_layers=2, process_group=group)
@@ -266,6 +267,10 @@ def test_four_ranks_equal_one_process(four_ranks, part, layout):
     results = four_ranks[part]
     assert_equals_one_process(results)
     assert results[0]["layout"] == layout
+
+
+def test_size_one_registers_nothing(two_ranks):
+    assert [seen["size 1"] for seen in two_ranks["errors"]] == [None, None]
 
 
 def test_eval_mode_bypasses_sp_with_disable_in_eval(two_ranks):
