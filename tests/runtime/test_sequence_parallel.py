@@ -168,6 +168,22 @@ def indivisible(rank: int) -> str:
     return "no error"
 
 
+def comm_calls(rank: int) -> dict:
+    """deepspeed.comm's calls that Ulysses code makes, on 2 ranks."""
+    import crew
+    from crew.runtime import comm
+    crew.init_distributed("gloo")
+    out = torch.empty(2)
+    comm.all_to_all_single(out, torch.tensor([10.0 * rank, 10.0 * rank + 1]))
+    objects = [None, None]
+    comm.all_gather_object(objects, {"rank": rank})
+    broadcast = [f"from {rank}"]
+    comm.broadcast_object_list(broadcast, src=1)
+    group = comm.new_group([0, 1])
+    return {"swapped": out.tolist(), "objects": objects, "broadcast": broadcast,
+            "global": comm.get_global_rank(group, 1), "ranks": comm.get_all_ranks_from_group(group)}
+
+
 def adapter_batches(rank: int) -> dict:
     """Two ranks' batches of different lengths (8 and 12 tokens) through the adapter, two epochs."""
     import crew
@@ -237,7 +253,7 @@ def sp_errors(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def two_ranks():
     return run_parts({"stage 0": (train_sp, 0, 2), "stage 3": (train_sp, 3, 2, False), "eval": (eval_bypass,),
-                      "adapter": (adapter_batches,), "errors": (sp_errors,)}, 2)
+                      "adapter": (adapter_batches,), "errors": (sp_errors,), "comm": (comm_calls,)}, 2)
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +283,22 @@ def test_four_ranks_equal_one_process(four_ranks, part, layout):
     results = four_ranks[part]
     assert_equals_one_process(results)
     assert results[0]["layout"] == layout
+
+
+def test_comm_calls_of_ulysses_code(two_ranks):
+    for rank, seen in enumerate(two_ranks["comm"]):
+        assert seen["swapped"] == [rank, 10.0 + rank]
+        assert seen["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert seen["broadcast"] == ["from 1"]
+        assert (seen["global"], seen["ranks"]) == (1, [0, 1])
+
+
+def test_comm_calls_without_a_process_group():
+    from crew.runtime import comm
+    out, objects = torch.empty(2), [None]
+    comm.all_to_all_single(out, torch.tensor([3.0, 4.0]))
+    comm.all_gather_object(objects, "mine")
+    assert out.tolist() == [3.0, 4.0] and objects == ["mine"] and comm.get_global_rank(None, 0) == 0
 
 
 def test_size_one_registers_nothing(two_ranks):
