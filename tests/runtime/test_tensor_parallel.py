@@ -28,7 +28,8 @@ def tiny(kind: str = "llama", **overrides):
     sizes.update(overrides)
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                             "phi3": ("Phi3Config", "Phi3ForCausalLM")}[kind]
     config = getattr(transformers, config_cls)(**sizes)
     return getattr(transformers, model_cls)(config)
 
@@ -143,6 +144,7 @@ def errors(rank: int) -> dict:
     attempt("with_sp", tiny(), config(2), before=lambda: parallel.init_sequence_parallel(2))
     attempt("partition_config", tiny(), config(2) | {"tensor_parallel": {"autotp_size": 2, "partition_config": {}}})
     attempt("typo", tiny(), config(2) | {"tensor_parallel": {"autotp_size": 2, "tp_overlap": True}})
+    attempt("fused", tiny("phi3", pad_token_id=0), config(2))
     model = tiny()
     attempt("conflict", model, config(2, tp=1), before=lambda: deepspeed.tp_model_init(model, 2, torch.float32))
     reset()
@@ -238,6 +240,7 @@ def test_tp2_dp2_zero_trains_as_one_process(four, part):
     ("partition_config", ["tensor_parallel.partition_config"]),
     ("typo", ["tensor_parallel.tp_overlap", "Did you mean 'tp_overlap_comm'?"]),
     ("inputs", ["Data inconsistency within the TP group", "ranks [0, 1]"]),
+    ("fused", ["model.layers.0.self_attn' (Phi3Attention)", "'qkv_proj'"]),
     ("conflict", ["tensor_parallel.autotp_size in config (1) and tp_model_init (2)"]),
 ])
 def test_bad_set_ups_fail_with_a_clear_message(two, name, words):

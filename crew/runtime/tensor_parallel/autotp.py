@@ -35,6 +35,7 @@ def check_model(model: torch.nn.Module, size: int, where: str = "tensor_parallel
             f"{where} = {size}: AutoTP does not know the architecture of {type(model).__name__}: {seen}, and no "
             f"linear is named one of {sorted(COLUMN | ROW)} (LLaMA/Qwen2/Qwen3/Mistral-style decoders). Remove "
             "tensor_parallel.autotp_size to train it with data parallelism.")
+    _refuse_unpaired_rows(model, size, where)
     config = _text_config(getattr(model, "config", None))
     for attribute in _SPLIT_SIZES:
         value = getattr(config, attribute, None)
@@ -50,6 +51,24 @@ def check_model(model: torch.nn.Module, size: int, where: str = "tensor_parallel
             raise ConfigError(f"{where} = {size} does not divide '{name}' ({type(module).__name__}, "
                               f"{module.in_features} -> {module.out_features}) along the dimension it is split on "
                               f"({dim}). Set autotp_size to a divisor of {dim}.")
+
+
+_FEEDS = {"o_proj": {"q_proj", "k_proj", "v_proj"}, "down_proj": {"up_proj"}}  # row split <- column splits
+
+
+def _refuse_unpaired_rows(model: torch.nn.Module, size: int, where: str) -> None:
+    """A row-split linear takes the column-split outputs of its siblings; without them (fused qkv_proj or
+    gate_up_proj, as Phi-3's) its input would be whole, so the model is one AutoTP does not know."""
+    for name, module in model.named_modules():
+        children = {child for child, sub in module.named_children() if isinstance(sub, torch.nn.Linear)}
+        for row, feeds in _FEEDS.items():
+            if row in children and not feeds <= children:
+                others = sorted(children - {row}) or ["none"]
+                raise ConfigError(
+                    f"{where} = {size}: AutoTP does not know '{name}' ({type(module).__name__}): its '{row}' is "
+                    f"split by row, which needs {sorted(feeds)} beside it to split by column, but its linears are "
+                    f"{others} (fused projections are not split by crew). Remove {where} to train this model "
+                    "with data parallelism.")
 
 
 def replace(model: torch.nn.Module, group, size: int) -> dict[int, torch.nn.Parameter]:
