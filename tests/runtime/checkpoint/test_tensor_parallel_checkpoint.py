@@ -4,7 +4,8 @@
 run that went on (ZeRO 0 fp32, ZeRO 1 bf16); the tag holds DeepSpeed's files (mp_rank_00/01_model_states.pt with
 each TP rank's slices under Hugging Face's names); save_16bit_model writes the whole weights, which
 transformers' from_pretrained loads; a checkpoint of TP 2 loads into TP 1 (resharded); real DeepSpeed's own
-AutoTP checkpoint (tensor_parallel_data/, make_fixtures.py) loads with DeepSpeed's weights and next loss.
+AutoTP checkpoint (tensor_parallel_data/, make_fixtures.py) loads with DeepSpeed's weights and next loss, also at
+TP 1 and, for its ZeRO 2 one of 4 ranks, on 2.
 4 ranks (TP 2 x DP 2, ZeRO 2): the same resume, and DeepSpeed's ZeRO 2 checkpoint of that layout.
 """
 
@@ -150,7 +151,8 @@ def deepspeeds(rank: int, case: str, tp: int = 2) -> dict:
 def two():
     return run_parts({"resume0": (resume, 0, "fp32"), "resume1": (resume, 1, "bf16"), "whole": (whole_weights,),
                       "reshard": (reshard,), "deepspeed0": (deepspeeds, "stage0_fp32"),
-                      "deepspeed0_tp1": (deepspeeds, "stage0_fp32", 1)}, world_size=2)
+                      "deepspeed0_tp1": (deepspeeds, "stage0_fp32", 1),
+                      "deepspeed2_dp1": (deepspeeds, "stage2_fp32_dp2")}, world_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +212,8 @@ def test_deepspeeds_autotp_checkpoint_exports_whole(tmp_path):
         assert all(torch.equal(saved[name], value.float()) for name, value in expected.items())
 
 
-@pytest.mark.parametrize("world,part", [(2, "deepspeed0"), (2, "deepspeed0_tp1"), (4, "deepspeed2")])
+@pytest.mark.parametrize("world,part", [(2, "deepspeed0"), (2, "deepspeed0_tp1"), (4, "deepspeed2"),
+                                        (2, "deepspeed2_dp1")])  # ZeRO 2 of TP 2 x DP 2 on TP 2 x DP 1
 def test_deepspeeds_autotp_checkpoint_loads(two, four, world, part):
     for result in (two if world == 2 else four)[part]:
         assert result["worst"] == 0 and result["loss"] < 1e-5
