@@ -8,6 +8,7 @@ loopback ssh nodes) under `crew run --config_file`.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -358,6 +359,27 @@ def test_several_machines_need_what_accelerate_needs(here, text, words):
      "  deepspeed_multinode_launcher: mpi\n", "a.yaml: deepspeed_multinode_launcher: unknown launcher 'mpi'"),
     ("distributed_type: MULTI_CPU\nnum_machines: 2\ndeepspeed_config:\n  deepspeed_inclusion_filter: a\n"
      "  deepspeed_exclusion_filter: b\n", "a.yaml: deepspeed_config: .*both set"),
+    ("distributed_type: DEEPSPEED\nparallelism_config: 2\n", "a.yaml: parallelism_config: expected a mapping"),
+    ("distributed_type: DEEPSPEED\nparallelism_config:\n  parallelism_config_sp_size: two\n",
+     "a.yaml: parallelism_config.parallelism_config_sp_size: expected a whole number of at least 1, got 'two'"),
+    ("distributed_type: MULTI_GPU\nparallelism_config:\n  parallelism_config_dp_shard_size: 0\n",
+     "a.yaml: parallelism_config.parallelism_config_dp_shard_size: expected a whole number of at least 1, got 0"),
+    ("distributed_type: DEEPSPEED\nparallelism_config:\n  sp_size: 2\n",  # Accelerate would leave SP off
+     "a.yaml: parallelism_config.sp_size: not a key of Accelerate's parallelism_config. "
+     "Did you mean 'parallelism_config_sp_size'?"),
+    ("distributed_type: DEEPSPEED\nparallelism_config:\n  parallelism_config_sp_backend: torch\n",
+     "a.yaml: parallelism_config.parallelism_config_sp_backend: unknown value 'torch'. Use deepspeed."),
+    ("distributed_type: DEEPSPEED\nparallelism_config:\n  parallelism_config_sp_size: 2\n"
+     "  parallelism_config_sp_attn_implementation: eager\n",
+     "parallelism_config_sp_attn_implementation: 'eager' cannot run under sequence parallelism. Use one of"),
+    ("distributed_type: DEEPSPEED\nparallelism_config:\n  parallelism_config_sp_size: 2\n"
+     "  parallelism_config_sp_seq_length_is_variable: false\n",
+     "parallelism_config_sp_seq_length_is_variable: false needs the fixed length of every batch. Set "
+     "parallelism_config_sp_seq_length"),
+    ("distributed_type: DEEPSPEED\nparallelism_config:\n  parallelism_config_sp_size: 2\n"
+     "  parallelism_config_cp_size: 2\n", "a.yaml: parallelism_config: cp_size 2 and sp_size 2: .*exclude"),
+    ("distributed_type: MULTI_GPU\nparallelism_config:\n  parallelism_config_tp_size: 2\n"
+     "  parallelism_config_dp_replicate_size: 2\n", "a.yaml: parallelism_config: .*FSDP sharding only"),
 ])
 def test_errors_name_the_file_the_key_and_the_fix(here, text, words):
     yaml_file(here, text, "a.yaml")
@@ -391,6 +413,124 @@ def test_rank_env_tells_accelerate_to_use_the_cpu(monkeypatch, gpu, as_deepspeed
                   program=("t.py",), cwd="/", env={}, as_deepspeed=as_deepspeed)
     env = rank_env(job, 0, 0, base)
     assert (env.get("ACCELERATE_USE_CPU"), env.get("CREW_DEEPSPEED_ON_CPU")) == (expected, on_cpu)
+
+
+# --------------------------------------------------------------------------------------------
+# parallelism_config: Accelerate's ParallelismConfig in every rank, e.g. DeepSpeed's Ulysses SP
+
+# accelerate's DeepSpeed Ulysses SP check, as a launch YAML (its test passes --parallelism_config_sp_backend
+# deepspeed --parallelism_config_sp_size 2 to `accelerate launch --use_deepspeed`)
+SP_YAML = """\
+compute_environment: LOCAL_MACHINE
+deepspeed_config:
+  zero_stage: 2
+distributed_type: DEEPSPEED
+num_machines: 1
+num_processes: 2
+parallelism_config:
+  parallelism_config_sp_backend: deepspeed
+  parallelism_config_sp_size: 2
+"""
+SIZES_1 = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1",
+           "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "1",
+           "PARALLELISM_CONFIG_CP_SIZE": "1", "PARALLELISM_CONFIG_CP_BACKEND": "torch",
+           "PARALLELISM_CONFIG_SP_SIZE": "1", "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"}
+SP_2 = {**SIZES_1, "PARALLELISM_CONFIG_SP_SIZE": "2", "PARALLELISM_CONFIG_SP_SEQ_LENGTH": "None",
+        "PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE": "True", "PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "sdpa"}
+# parallelism_config blocks -> what every rank gets, with the launcher's defaults for the keys left out
+PARALLELISM_CASES = {
+    "sp": (SP_YAML.split("parallelism_config:\n")[1], SP_2),
+    "sp fixed length": ("  parallelism_config_sp_size: 2\n  parallelism_config_sp_seq_length: 256\n"
+                        "  parallelism_config_sp_seq_length_is_variable: false\n"
+                        "  parallelism_config_sp_attn_implementation: flash_attention_2\n",
+                        {**SP_2, "PARALLELISM_CONFIG_SP_SEQ_LENGTH": "256",
+                         "PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE": "False",
+                         "PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "flash_attention_2"}),
+    "cp": ("  parallelism_config_dp_shard_size: 2\n  parallelism_config_cp_size: 2\n",
+           {**SIZES_1, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "2",
+            "PARALLELISM_CONFIG_CP_COMM_STRATEGY": "allgather"}),
+    "sizes of 1": ("  parallelism_config_tp_size: 1\n", SIZES_1),  # any key turns it on, as in Accelerate
+}
+PARALLELISM_TYPES = ("DEEPSPEED", "MULTI_GPU")
+
+
+def parallelism_yaml(kind: str, block: str) -> str:
+    return SP_YAML.replace("DEEPSPEED", kind).split("parallelism_config:\n")[0] + "parallelism_config:\n" + block
+
+
+def parallelism_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if "PARALLELISM" in k}
+
+
+def test_parallelism_config_reaches_the_ranks(here, capsys):
+    name = yaml_file(here, SP_YAML)
+    args, said = applied("--config_file", name, "--as_deepspeed", command="run")
+    assert parallelism_env(env_of(args)) == SP_2
+    assert env_of(args)["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert not any("ignoring" in line for line in said)
+    assert parallelism_env(plan_json(capsys, "--config_file", name, "train.py")["env"]) == SP_2
+
+
+@pytest.mark.parametrize("kind", PARALLELISM_TYPES)
+@pytest.mark.parametrize("case", PARALLELISM_CASES)
+def test_parallelism_config_to_accelerate_env(kind, case):
+    block, env = PARALLELISM_CASES[case]
+    config = acc.parse_config("a.yaml", acc.yaml.safe_load(parallelism_yaml(kind, block)))
+    assert parallelism_env(config.env) == env
+    assert not any("parallelism" in name for name in config.ignored)
+
+
+def accelerate_launch_env(path: str) -> dict[str, str]:
+    """What `accelerate launch --config_file path` gives its ranks: Accelerate's own launcher code."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import launch
+
+    args = _validate_launch_command(launch_command_parser().parse_args(["--config_file", path, "t.py"]))[0]
+    if not args.use_deepspeed:
+        return launch.prepare_multi_gpu_env(args)
+    args.deepspeed_fields_from_accelerate_config = ""
+    return launch.prepare_deepspeed_cmd_env(args)[1]
+
+
+@needs_accelerate
+@pytest.mark.parametrize("kind", PARALLELISM_TYPES)
+@pytest.mark.parametrize("case", PARALLELISM_CASES)
+def test_parallelism_env_is_accelerate_launchs(here, kind, case):
+    text = parallelism_yaml(kind, PARALLELISM_CASES[case][0])
+    config = acc.parse_config("a.yaml", acc.yaml.safe_load(text))
+    assert parallelism_env(config.env) == parallelism_env(accelerate_launch_env(yaml_file(here, text)))
+
+
+@needs_accelerate
+@pytest.mark.parametrize("case, seq_length, variable", [("sp", None, True), ("sp fixed length", 256, False)])
+def test_the_ranks_parallelism_config_is_sp_2_on_deepspeed(monkeypatch, case, seq_length, variable):
+    """Accelerator() without a parallelism_config builds ParallelismConfig() when ACCELERATE_USE_PARALLELISM_CONFIG
+    is true (accelerator.py), which reads PARALLELISM_CONFIG_*, its sp_handler the SP_* ones."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    config = acc.parse_config("a.yaml", acc.yaml.safe_load(parallelism_yaml("DEEPSPEED", PARALLELISM_CASES[case][0])))
+    for name, value in config.env.items():
+        monkeypatch.setenv(name, value)
+    assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"].lower() == "true"
+    parallelism = ParallelismConfig()
+    assert (parallelism.sp_size, parallelism.sp_backend, parallelism.sp_enabled) == (2, "deepspeed", True)
+    assert (parallelism.dp_replicate_size, parallelism.dp_shard_size, parallelism.tp_size, parallelism.cp_size) == \
+        (1, 1, 1, 1)
+    handler = parallelism.sp_handler
+    assert (handler.sp_seq_length, handler.sp_seq_length_is_variable) == (seq_length, variable)
+
+
+@pytest.mark.parametrize("text, ignored", [
+    ("distributed_type: MULTI_CPU\n", ["parallelism_config (distributed_type MULTI_CPU)"]),  # its simple launcher
+    ("distributed_type: NO\n", ["parallelism_config (distributed_type NO)"]),
+    ("distributed_type: DEEPSPEED\nparallelism_config: {}\n", []),  # empty: off, as in Accelerate
+    ("distributed_type: DEEPSPEED\nparallelism_config:\n", []),
+])
+def test_parallelism_config_only_where_accelerate_launch_passes_it(text, ignored):
+    if "parallelism_config" not in text:
+        text += "parallelism_config:\n  parallelism_config_sp_size: 2\n"
+    config = acc.parse_config("a.yaml", acc.yaml.safe_load(text))
+    assert parallelism_env(config.env) == {} and config.ignored == ignored
 
 
 # --------------------------------------------------------------------------------------------

@@ -52,13 +52,26 @@ DEEPSPEED_LAUNCH = ("deepspeed_hostfile", "deepspeed_multinode_launcher", "deeps
                     "deepspeed_exclusion_filter")
 HONOURED = ("compute_environment", "distributed_type", "num_machines", "num_processes", "machine_rank",
             "main_process_ip", "main_process_port", "use_cpu", "mixed_precision", "fp16", "debug",
-            "enable_cpu_affinity", "gradient_accumulation_steps", "deepspeed_config", "gpu_ids")
+            "enable_cpu_affinity", "gradient_accumulation_steps", "deepspeed_config", "gpu_ids",
+            "parallelism_config")
 # Accelerate's other keys (ClusterConfig): said in one line when set to anything that would change what
 # `accelerate launch` does; same_network and main_training_function never do under crew.
 NO_USE = ("rdzv_backend", "dynamo_config", "dynamo_backend", "fp8_config", "fsdp_config",
-          "parallelism_config", "megatron_lm_config", "mpirun_config", "downcast_bf16", "tpu_name", "tpu_zone",
+          "megatron_lm_config", "mpirun_config", "downcast_bf16", "tpu_name", "tpu_zone",
           "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env")
 SILENT = ("same_network", "main_training_function")
+# parallelism_config's keys (each `parallelism_config_<name>`, as `accelerate config` writes them) and the
+# defaults of accelerate launch's --parallelism_config_<name> flags, which fill the keys left out
+PARALLELISM_PREFIX = "parallelism_config_"
+PARALLELISM_DEFAULTS = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1, "cp_size": 1,
+                        "cp_backend": "torch", "cp_comm_strategy": "allgather", "sp_size": 1,
+                        "sp_backend": "deepspeed", "sp_seq_length": None, "sp_seq_length_is_variable": True,
+                        "sp_attn_implementation": "sdpa"}
+PARALLELISM_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+# accelerate launch passes parallelism_config through its DeepSpeed and multi-GPU launchers only: NO and
+# MULTI_CPU start through its simple launcher, which leaves it out
+PARALLELISM_TYPES = ("DEEPSPEED",) + tuple(kind for kind in MULTI_TYPES if kind != "MULTI_CPU")
+SP_ATTENTION = ("flash_attention_2", "flash_attention_3", "sdpa")  # or a hub kernel such as org/flash-attn2
 _NO_OP = (None, False, "", "no", "NO", "static", "all", "main")
 _OPTION_FLAGS = {"hostfile": "--hostfile", "num_nodes": "--num_nodes", "num_gpus": "--num_gpus",
                  "include": "--include", "exclude": "--exclude", "launcher": "--launcher",
@@ -136,6 +149,7 @@ def parse_config(path: str, data: dict, as_deepspeed: bool = False) -> Accelerat
         config.env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(key.number(
             "gradient_accumulation_steps", steps, minimum=1))
     _deepspeed_env(key, ds, kind == "DEEPSPEED" and (crew_deepspeed or not use_cpu), config)
+    _parallelism_env(key, config)
     config.ignored += [k for k in NO_USE if k in data and not _no_op(data[k])]
     known = (*DEEPSPEED_ENV, *DEEPSPEED_LAUNCH, "gradient_accumulation_steps")
     config.ignored += [f"deepspeed_config.{k}" for k in ds if k not in known]
@@ -306,6 +320,85 @@ def _deepspeed_env(key: _Keys, ds: dict, use: bool, config: AccelerateConfig) ->
     # the YAML set from this list (launch_command's deepspeed_fields_from_accelerate_config).
     fields = list(ds) + (["mixed_precision"] if key.data.get("mixed_precision") is not None else [])
     env["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(fields)
+
+
+def _parallelism_env(key: _Keys, config: AccelerateConfig) -> None:
+    """parallelism_config: the variables prepare_extend_env_parallelism_config sets, from which Accelerator()
+    builds every rank's ParallelismConfig (DeepSpeed's Ulysses sequence parallelism with sp_size > 1). As
+    `accelerate launch`: any non-empty mapping turns it on, keys left out take the launcher's defaults, the
+    cp_* and sp_* details travel only with cp_size or sp_size > 1, and only for DeepSpeed and multi-GPU."""
+    block = key.data.get("parallelism_config")
+    if block is None or block == {}:
+        return
+    if not isinstance(block, dict):
+        raise key.fail("parallelism_config", f"expected a mapping of keys, got {block!r}",
+                       "Indent its keys under it (parallelism_config_sp_size: 2, ...).")
+    kind = key.data["distributed_type"]
+    if kind not in PARALLELISM_TYPES:
+        config.ignored.append(f"parallelism_config (distributed_type {kind})")
+        return
+    values = _parallelism(key, block)
+    env = config.env
+    env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+    names = [*PARALLELISM_SIZES[:4], "cp_backend", "sp_size", "sp_backend"]
+    if values["cp_size"] > 1:
+        names.append("cp_comm_strategy")
+    if values["sp_size"] > 1:
+        names += ["sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"]
+    env.update({f"PARALLELISM_CONFIG_{name.upper()}": str(values[name]) for name in names})
+
+
+def _parallelism(key: _Keys, block: dict) -> dict:
+    """parallelism_config's values, its defaults filled in, refused where Accelerate refuses them (its launcher
+    or the ranks' ParallelismConfig and DeepSpeedSequenceParallelConfig)."""
+    where = {name: f"parallelism_config.{PARALLELISM_PREFIX}{name}" for name in PARALLELISM_DEFAULTS}
+    keys = [PARALLELISM_PREFIX + name for name in PARALLELISM_DEFAULTS]
+    for name in map(str, block):
+        if name not in keys:  # Accelerate would drop it unread: sp_size: 2 would leave SP off
+            close = difflib.get_close_matches(PARALLELISM_PREFIX + name.removeprefix(PARALLELISM_PREFIX), keys, n=1)
+            raise key.fail(f"parallelism_config.{name}", "not a key of Accelerate's parallelism_config",
+                           f"Did you mean '{close[0]}'?" if close else f"Use one of {', '.join(keys)}.")
+    values = {name: block.get(PARALLELISM_PREFIX + name, default) for name, default in PARALLELISM_DEFAULTS.items()}
+    for name in PARALLELISM_SIZES:
+        values[name] = key.number(where[name], values[name], minimum=1)
+    _choice(key, where["cp_backend"], values["cp_backend"], ("torch",))
+    _choice(key, where["sp_backend"], values["sp_backend"], ("deepspeed",))
+    if values["cp_size"] > 1:
+        _choice(key, where["cp_comm_strategy"], values["cp_comm_strategy"], ("allgather", "alltoall"))
+    if values["sp_size"] > 1:
+        _sequence_parallel(key, where, values)
+    if values["cp_size"] > 1 and values["sp_size"] > 1:
+        raise key.fail("parallelism_config", f"cp_size {values['cp_size']} and sp_size {values['sp_size']}: "
+                       "context and sequence parallelism exclude each other", "Set one of them to 1.")
+    if (values["tp_size"] > 1 or values["cp_size"] > 1) and values["dp_replicate_size"] > 1 \
+            and values["dp_shard_size"] == 1:
+        raise key.fail("parallelism_config", "tp_size or cp_size > 1 with dp_replicate_size > 1 and dp_shard_size "
+                       "1 (Accelerate composes TP/CP with FSDP sharding only)",
+                       "Set dp_shard_size > 1, or dp_replicate_size to 1.")
+    return values
+
+
+def _sequence_parallel(key: _Keys, where: dict[str, str], values: dict) -> None:
+    """sp_size > 1: the sp_* keys the ranks' DeepSpeedSequenceParallelConfig reads."""
+    length, attention = values["sp_seq_length"], values["sp_attn_implementation"]
+    if length is not None:
+        values["sp_seq_length"] = key.number(where["sp_seq_length"], length, minimum=1)
+    variable = values["sp_seq_length_is_variable"]
+    values["sp_seq_length_is_variable"] = key.flag(where["sp_seq_length_is_variable"], variable,
+                                                   where["sp_seq_length_is_variable"])
+    if not values["sp_seq_length_is_variable"] and length is None:
+        raise key.fail(where["sp_seq_length_is_variable"], "false needs the fixed length of every batch",
+                       f"Set {PARALLELISM_PREFIX}sp_seq_length, or make it true for batches of varying length.")
+    attention = key.text(where["sp_attn_implementation"], attention)
+    if attention not in SP_ATTENTION and ("/" not in attention or "flash-attn" not in attention):
+        raise key.fail(where["sp_attn_implementation"], f"{attention!r} cannot run under sequence parallelism",
+                       f"Use one of {', '.join(SP_ATTENTION)}, or a hub flash attention kernel such as "
+                       "kernels-community/flash-attn2.")
+
+
+def _choice(key: _Keys, where: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise key.fail(where, f"unknown value {value!r}", f"Use {' or '.join(choices)}.")
 
 
 def _no_op(value: object) -> bool:
