@@ -65,29 +65,13 @@ class ListLoader:
         return len(self.batches)
 
 
-class GatherLosses(torch.autograd.Function):
-    """torch.distributed.nn.functional.all_gather, which transformers uses, but whose gloo backward scatters from
-    group ranks as if they were world ranks (a hang for an SP group past ranks 0..sp-1)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad[torch.distributed.get_rank(ctx.group)], None
-
-
 def sp_loss(batch: dict, outputs, group) -> torch.Tensor:
-    """transformers' deepspeed_sp_compute_loss: the SP ranks' losses, weighted by their counted tokens."""
-    losses = GatherLosses.apply(outputs.loss, group)
+    """transformers' deepspeed_sp_compute_loss: the SP ranks' losses, weighted by their counted tokens, with the
+    same differentiable all-gather (its gloo backward fails in a group past rank 0 without crew's gloo_fix)."""
+    from torch.distributed.nn.functional import all_gather
+    losses = torch.stack(all_gather(outputs.loss, group=group))
     good = (batch["shift_labels"] != -100).view(-1).sum()
-    counts = GatherLosses.apply(good, group)
+    counts = torch.stack(all_gather(good, group=group))
     return (torch.where(counts > 0, losses, torch.zeros_like(losses)) * counts).sum() / counts.sum().clamp(min=1)
 
 
