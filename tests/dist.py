@@ -35,7 +35,8 @@ import torch.distributed as dist
 from crew.launcher.plan.ports import free_port
 
 
-PRELOADED = ["torch", "torch.distributed", "torch._dynamo"]
+# transformers' Llama too: the SP, TP and their checkpoint tests build one in every rank (1.3 s of imports each)
+PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "transformers.models.llama.modeling_llama"]
 
 
 def _context() -> multiprocessing.context.BaseContext:
