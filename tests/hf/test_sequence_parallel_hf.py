@@ -1,15 +1,18 @@
 """Ulysses sequence parallelism (DeepSpeed's ALST) as Hugging Face users reach it, unchanged under
-`crew run --as_deepspeed --num_gpus 2`, SP over both ranks:
+`crew run --as_deepspeed`, SP 2 on 2 ranks and SP 2 x DP 2 on 4:
 
 * scripts/accelerate_ulysses_sp.py, in the shape of accelerate's own check
   (test_utils/scripts/external_deps/test_ds_alst_ulysses_sp.py): ParallelismConfig(sp_backend="deepspeed",
   sp_size=2) on an Accelerator, the loop's own SP loss, ZeRO-2 from the launch YAML (as accelerate's test
-  runs it with `--zero_stage`);
+  runs it with `--zero_stage`), `--num_gpus 2`: SP over both ranks, one data-parallel rank;
 * scripts/trainer_ulysses_sp.py: transformers' Trainer with TrainingArguments(deepspeed=..., parallelism_config=
-  ParallelismConfig(...)), ZeRO-3, which turns on Trainer's own SP path (adapter, batch count, loss).
+  ParallelismConfig(sp_size=2, dp_replicate_size=2, ...)), ZeRO-3, `--num_gpus 4`: two SP groups, {0, 1} and
+  {2, 3}, beside each other as data parallelism, through Trainer's own SP path (adapter, batch count, loss).
+  The loss's all_gather backward runs in the group {2, 3}, which torch's gloo fails without crew's gloo_fix.
 
 Each trains a tiny Llama a few steps; rank 0 also trains a copy of the initial model in one process, without
-SP, on the sequences the steps saw. Asserted: every step's loss and gradient norm equal that reference's, and
+SP, on the sequences the steps saw: under DP a step's sequences from both data-parallel groups, as one batch.
+Asserted: every step's loss and gradient norm equal that reference's, every sequence is trained on once, and
 the weights saved load with from_pretrained and equal the reference's.
 """
 
@@ -25,7 +28,7 @@ pytest.importorskip("transformers", reason="the Hugging Face tests need the test
 pytest.importorskip("accelerate", reason="the Hugging Face tests need the test extra: pip install 'crew[test]'")
 
 SCRIPTS = REPO / "tests" / "hf" / "scripts"
-SP = 2  # = the world: one data-parallel rank
+SP = 2
 
 # What `accelerate config` writes for DeepSpeed without a config file (accelerate's test passes the same as
 # `accelerate launch --use_deepspeed --zero_stage=2`), fp32
@@ -60,8 +63,8 @@ def largest_difference(a: dict, b: dict) -> float:
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
-def run(job_dir, *args):
-    result = crew("run", "--as_deepspeed", "--num_gpus", "2", *args, cwd=job_dir, timeout=300)
+def run(job_dir, ranks: int, *args):
+    result = crew("run", "--as_deepspeed", "--num_gpus", str(ranks), *args, cwd=job_dir, timeout=300)
     assert result.code == 0, result.err[-4000:]
     seen = json.loads((job_dir / "result.json").read_text())
     out = job_dir / "out"
@@ -72,13 +75,13 @@ def run(job_dir, *args):
 def accelerate_job(tmp_path_factory):
     job_dir = tmp_path_factory.mktemp("accelerate_sp")
     (job_dir / "accelerate_ds.yaml").write_text(ACCELERATE_YAML)
-    return run(job_dir, "--config_file", "accelerate_ds.yaml", str(SCRIPTS / "accelerate_ulysses_sp.py"))
+    return run(job_dir, 2, "--config_file", "accelerate_ds.yaml", str(SCRIPTS / "accelerate_ulysses_sp.py"))
 
 
 @pytest.fixture(scope="module")
 def trainer_job(tmp_path_factory):
     job_dir = tmp_path_factory.mktemp("trainer_sp")
-    return run(job_dir, str(SCRIPTS / "trainer_ulysses_sp.py"), "--stage", "3")
+    return run(job_dir, 4, str(SCRIPTS / "trainer_ulysses_sp.py"), "--stage", "3")
 
 
 def assert_steps_equal_the_reference(seen):
@@ -115,13 +118,20 @@ def test_accelerate_alst_script_trains_as_one_process_without_sp(accelerate_job)
     assert_weights_equal_the_reference(weights, seen["learning_rate"])
 
 
-def test_trainer_with_parallelism_config_trains_as_one_process_without_sp(trainer_job):
+def test_trainer_with_sp_beside_dp_trains_as_one_process_without_sp(trainer_job):
     seen, weights = trainer_job
     assert seen["engine"].startswith("crew.")
-    assert (seen["world"], seen["sp_size_seen"]) == (2, SP)
-    # Trainer's batch arithmetic: a data-parallel world of world // SP, one sample per optimizer step
-    assert seen["total_train_batch_size"] == seen["train_batch_size"] == seen["world"] // SP
-    assert seen["global_step"] == len(seen["dataset"]) == len(seen["steps"])
-    assert sorted(seen["seen"]) == sorted(seen["dataset"])  # every sequence once, whole
+    assert (seen["world"], seen["sp_size_seen"]) == (4, SP)
+    # Trainer's batch arithmetic: per device x a data-parallel world of world // SP = 2 sequences a step
+    data_parallel = seen["world"] // SP
+    assert (data_parallel, seen["per_device_train_batch_size"]) == (2, 1)
+    assert seen["total_train_batch_size"] == seen["train_batch_size"] == data_parallel
+    # the loader shards the 8 sequences over the 4 ranks, each SP group trains its 2 ranks' 4 one at a time
+    assert seen["global_step"] == len(seen["dataset"]) // data_parallel == len(seen["steps"])
+    assert all(len(step) == data_parallel for step in seen["seen"])  # one sequence per data-parallel group
+    assert sorted(sum(seen["seen"], [])) == sorted(seen["dataset"])  # every sequence once, whole
+    # Trainer logs the ranks' losses averaged (the SP ranks of a group hold the same one), and the two groups'
+    # sequences are as long, so a step's loss is the reference's mean token loss over both; its gradient is
+    # DP's average of the groups' gradients, which is that loss's
     assert_steps_equal_the_reference(seen)
     assert_weights_equal_the_reference(weights, seen["learning_rate"])

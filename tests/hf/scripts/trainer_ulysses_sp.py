@@ -1,16 +1,19 @@
-# The shape of a transformers 5.24 Trainer script with DeepSpeed ALST / Ulysses sequence parallelism:
-# TrainingArguments(deepspeed=<ZeRO config with "auto" values>, parallelism_config=ParallelismConfig(
-# sp_backend="deepspeed", sp_size=2, sp_handler=DeepSpeedSequenceParallelConfig(...))), a dataset of token
-# sequences with position_ids (UlyssesSPDataLoaderAdapter needs them), run by a launcher that passes
-# --local_rank. Trainer hands the ParallelismConfig to its Accelerator, which registers Ulysses attention and
-# passes deepspeed.initialize the mpu; Trainer then wraps its train loader in the adapter
-# (deepspeed_ulysses_dl_adapter), counts sp_size times as many batches, a data parallel world of
-# world_size // sp_size, and computes the loss with deepspeed_sp_compute_loss (shards' losses weighted by
-# their tokens across the SP group). A tiny Llama built from a config (nothing downloaded), fp32.
-# Rank 0 writes result.json: each step's logged loss and grad norm and the whole sequence it trained on, the
-# Trainer's batch arithmetic, and a one-process reference without SP: a copy of the initial model trained by
-# torch alone on the same sequences (eager attention: transformers' "sdpa" is Ulysses' own wrapper in this
-# process once it is on). Weights: OUT/initial, OUT/final (trainer.save_model), OUT/reference.
+# The shape of a transformers 5.24 Trainer script with DeepSpeed ALST / Ulysses sequence parallelism beside data
+# parallelism, as transformers' deepspeed_alst.md combines them: TrainingArguments(deepspeed=<ZeRO config with
+# "auto" values>, parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2,
+# dp_replicate_size=world // 2, sp_handler=DeepSpeedSequenceParallelConfig(...))), a dataset of token sequences
+# with position_ids (UlyssesSPDataLoaderAdapter needs them), run by a launcher that passes --local_rank. Trainer
+# hands the ParallelismConfig to its Accelerator, which registers Ulysses attention, passes deepspeed.initialize
+# the mpu and a train_batch_size of micro batch x data_parallel_size (dp_replicate_size x dp_shard_size: without
+# dp_replicate_size it is 1 and DeepSpeed's batch check refuses 4 ranks); Trainer then wraps its train loader in
+# the adapter (deepspeed_ulysses_dl_adapter), counts sp_size times as many batches, a data parallel world of
+# world_size // sp_size, and computes the loss with deepspeed_sp_compute_loss (shards' losses weighted by their
+# tokens across the SP group). A tiny Llama built from a config (nothing downloaded), fp32.
+# Rank 0 writes result.json: each step's logged loss and grad norm and the whole sequences it trained on (one per
+# data-parallel group), the Trainer's batch arithmetic, and a one-process reference without SP: a copy of the
+# initial model trained by torch alone on the same sequences, a step's as one batch (eager attention:
+# transformers' "sdpa" is Ulysses' own wrapper in this process once it is on). Weights: OUT/initial, OUT/final
+# (trainer.save_model), OUT/reference.
 import argparse
 import copy
 import json
@@ -24,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
-parser.add_argument("--sp_size", type=int, default=int(os.environ.get("WORLD_SIZE", "2")))
+parser.add_argument("--sp_size", type=int, default=2)
 parser.add_argument("--stage", type=int, default=2)
 parser.add_argument("--output_dir", default="out")
 args = parser.parse_args()
@@ -36,8 +39,9 @@ ds_config = {
     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
 }
+world_size = int(os.environ.get("WORLD_SIZE", "1"))
 parallelism_config = ParallelismConfig(
-    sp_backend="deepspeed", sp_size=args.sp_size,
+    sp_backend="deepspeed", sp_size=args.sp_size, dp_replicate_size=world_size // args.sp_size,
     sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
 
 torch.manual_seed(0)
@@ -66,19 +70,16 @@ class Record(TrainerCallback):
 
 
 class SeenTrainer(Trainer):
-    """Trainer, recording the whole sequence of each training step for the reference."""
+    """Trainer, recording the whole sequences of each training step for the reference."""
 
     seen = []
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        ids = inputs["input_ids"][0].tolist()
-        if args.sp_size > 1:
-            from deepspeed.utils import groups
-
-            shards = [None] * args.sp_size
-            dist.all_gather_object(shards, ids, group=groups._get_sequence_parallel_group())
-            ids = sum(shards, [])
-        self.seen.append(ids)
+        # every rank's shard; DeepSpeed's SP groups are consecutive ranks (parallel_state_sp), so each run of
+        # sp_size shards is one data-parallel group's whole sequence
+        shards = [None] * world_size
+        dist.all_gather_object(shards, inputs["input_ids"][0].tolist())
+        self.seen.append([sum(shards[first:first + args.sp_size], []) for first in range(0, world_size, args.sp_size)])
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
@@ -96,9 +97,11 @@ if dist.get_rank() == 0:
     reference.set_attn_implementation("eager")
     optimizer = torch.optim.AdamW(reference.parameters(), lr=training_args.learning_rate, weight_decay=0.0)
     replayed = []
-    for ids in SeenTrainer.seen:
-        ids = torch.tensor([ids])
-        out = reference(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], labels=ids)
+    for step in SeenTrainer.seen:
+        # the data-parallel groups' sequences as one batch: all the same length, so its mean token loss is the
+        # mean of theirs, which is what Trainer logs (the ranks' losses averaged) and DP's averaged gradient
+        ids = torch.tensor(step)
+        out = reference(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids), labels=ids)
         out.loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), training_args.max_grad_norm)
         optimizer.step()
@@ -108,6 +111,7 @@ if dist.get_rank() == 0:
     engine = trainer.model_wrapped
     result = {"world": dist.get_world_size(), "sp_size": args.sp_size, "engine": type(engine).__module__,
               "zero_stage": args.stage, "sp_size_seen": trainer.get_sp_size(),
+              "per_device_train_batch_size": training_args.per_device_train_batch_size,
               "total_train_batch_size": trainer.get_total_train_batch_size(training_args),
               "train_batch_size": engine.train_batch_size(), "global_step": trainer.state.global_step,
               "steps": record.logs, "seen": SeenTrainer.seen, "dataset": tokens.tolist(), "reference": replayed,
