@@ -102,7 +102,7 @@ class DeepSpeedAccessors:
     def communication_data_type(self, value) -> None:
         self._communication_data_type = dtype_named(value, "communication_data_type")
 
-    # -- parallel layout (crew/runtime/parallel.py) ------------------------------------------------
+    # -- parallel layout (crew/runtime/parallel/) ------------------------------------------------
 
     @property
     def sequence_parallel_size(self) -> int:

@@ -8,7 +8,7 @@ from crew.errors import ConfigError, CrewError, install_excepthook
 from crew.log import log_rank0
 from crew.runtime import comm, parallel
 from crew.runtime.balance import Balancer
-from crew.runtime.config import ignored_keys, load_config
+from crew.runtime.config import Config, ignored_keys, load_config
 from crew.runtime.data import DataLoader
 from crew.runtime.engine import Engine
 from crew.runtime.tensor_parallel import config as tp_config
@@ -26,9 +26,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise CrewError("initialize() needs model=<your torch.nn.Module>.")
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     _join_layout(mpu, mesh_param)
-    config, config_params = tp_setup.merged_config(config), tp_setup.merged_config(config_params)  # tp_model_init
     resolved = load_config(config, world_size=comm.get_world_size(), args=args, config_params=config_params,
                            sequence_parallel=parallel.sequence_parallel_size())
+    merged = tp_setup.merged_config(resolved.raw)  # what deepspeed.tp_model_init recorded, whatever the config's source
+    if merged is not resolved.raw:
+        resolved = Config.from_dict(merged, resolved.world_size, resolved.source)
     engine = Engine(model, resolved, optimizer, model_parameters, lr_scheduler)
     given = config if config is not None else config_params
     # DeepSpeed's engine.config: the caller's dict itself, or the file's as loaded

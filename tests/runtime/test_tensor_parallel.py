@@ -7,7 +7,11 @@ group reading its own sample per step. 2 ranks: TP 2 alone; 4 ranks: TP 2 x DP 2
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,13 +98,17 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
     # crew, as DeepSpeed, clips at 1.0 unless told
     cfg = config(world, tp, stage, gradient_clipping=clip, train_batch_size=world * gas,
                  gradient_accumulation_steps=gas)
-    optimizer = None
-    if client_optimizer:  # Trainer: tp_model_init, then the optimizer over the whole model's parameters
-        deepspeed.tp_model_init(model, tp_size=tp, dtype=torch.float32, config=cfg)
+    optimizer, args = None, None
+    if client_optimizer:  # tp_model_init, then the optimizer over the whole model's parameters, and the config
+        deepspeed.tp_model_init(model, tp_size=tp, dtype=torch.float32, config=cfg)  # from --deepspeed_config
         cfg = {k: v for k, v in cfg.items() if k not in ("tensor_parallel", "optimizer")}
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        path = Path(tempfile.mkdtemp()) / "ds_config.json"
+        path.write_text(json.dumps(cfg))
+        args = argparse.Namespace(deepspeed_config=str(path))
     # Trainer's way: a list of the whole model's parameters, taken before initialize splits them
-    engine, built, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
+    engine, built, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                               config=None if args else cfg,
                                                model_parameters=None if optimizer else list(model.parameters()))
     errors = []
     for step in range(STEPS):

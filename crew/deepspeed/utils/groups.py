@@ -1,5 +1,5 @@
 """`deepspeed.utils.groups`: DeepSpeed's getters for the data-, sequence- and tensor-parallel groups, over crew's
-layout (crew/runtime/parallel.py). Hugging Face reads `_get_sequence_parallel_group()` and friends for Ulysses SP
+layout (crew/runtime/parallel/). Hugging Face reads `_get_sequence_parallel_group()` and friends for Ulysses SP
 (transformers' deepspeed_sp_compute_loss, Accelerate), and AutoTP code the tensor-parallel ones.
 
 Without SP or TP the data-parallel group is the whole world, as DeepSpeed's is. `mpu` is the object passed to
@@ -91,21 +91,24 @@ def get_tensor_model_parallel_group():
     return group
 
 
-get_model_parallel_group = get_tensor_model_parallel_group
+def get_model_parallel_group():
+    return get_tensor_model_parallel_group()
 
 
 def get_tensor_model_parallel_world_size() -> int:
     return parallel.tensor_parallel_size()
 
 
-get_model_parallel_world_size = get_tensor_model_parallel_world_size
+def get_model_parallel_world_size():
+    return get_tensor_model_parallel_world_size()
 
 
 def get_tensor_model_parallel_rank() -> int:
     return parallel.tensor_parallel_rank()
 
 
-get_model_parallel_rank = get_tensor_model_parallel_rank
+def get_model_parallel_rank():
+    return get_tensor_model_parallel_rank()
 
 
 def get_tensor_model_parallel_src_rank() -> int:

@@ -512,7 +512,7 @@ def read_for_load(engine, folder: Path, states: dict, load_optimizer_states: boo
     split = tensor_parallel.deepspeed_dims(read(folder / tensor_parallel.model_file(0))) if saved_tp > 1 else None
     if saved_tp > 1 and split is None:  # model parallel but not AutoTP's (no universal_checkpoint_info)
         refuse_unsupported(folder)
-    tag, module, by_name = tensor_parallel.read_tags(engine, folder, saved_tp, split, states_of)
+    tag, module, by_name = tensor_parallel.read_tags(engine, folder, saved_tp, split, states_of, _Tag)
     saved = tag.model
     if optimizer:
         by_name = _as_live(by_name, named, _live_class(engine.optimizer), tag.optimizer_file())

@@ -174,7 +174,8 @@ def _read_deepspeed_layout(engine, folder: Path, states: dict, load_optimizer_st
                         else deepspeed_format._zero_optimizer(tag))
 
     tp = extras.get("tensor_parallel") or {"size": 1}
-    tag, module, saved = tensor_parallel.read_tags(engine, folder, tp["size"], tp.get("dims"), states_of)
+    tag, module, saved = tensor_parallel.read_tags(engine, folder, tp["size"], tp.get("dims"), states_of,
+                                                     deepspeed_format._Tag)
     optimizer = None
     if wanted:
         saved = saved["state"]

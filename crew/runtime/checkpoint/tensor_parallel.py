@@ -228,18 +228,17 @@ def whole_state(engine, dtype: torch.dtype, exclude_frozen: bool = False) -> dic
     return state if keep else None
 
 
-def read_tags(engine, folder: Path, saved: int, split: dict[str, int] | None, states_of) -> tuple:
-    """(the first mp rank's deepspeed_format._Tag, module state, optimizer state) for this rank, where
-    `states_of(tag)` gives one mp rank's (module state by name, optimizer {"state": by name, ...} or None). At the
-    saved TP size: this rank's own files; at another: every mp rank's, joined along `split`, this rank's cut."""
-    from crew.runtime.checkpoint.deepspeed_format import _Tag
-
+def read_tags(engine, folder: Path, saved: int, split: dict[str, int] | None, states_of, open_tag) -> tuple:
+    """(the first mp rank's tag, module state, optimizer state) for this rank, where `open_tag(folder, mp,
+    tensor_parallel=)` opens one mp rank's files (deepspeed_format's _Tag) and `states_of(tag)` gives its (module
+    state by name, optimizer {"state": by name, ...} or None). At the saved TP size: this rank's own files; at
+    another: every mp rank's, joined along `split`, this rank's cut."""
     if saved == size():
-        tag = _Tag(folder, rank(), tensor_parallel=saved > 1)
+        tag = open_tag(folder, rank(), tensor_parallel=saved > 1)
         return (tag, *states_of(tag))
     if saved > 1 and split is None:
         raise mismatch(folder, saved, ", and the checkpoint does not say which weights are split along which dim")
-    tags = [_Tag(folder, mp, tensor_parallel=True) for mp in range(saved)]
+    tags = [open_tag(folder, mp, tensor_parallel=True) for mp in range(saved)]
     parts = [states_of(tag) for tag in tags]
     modules = [module for module, _ in parts]
     module = cut(join(modules, split or {}), engine.module)

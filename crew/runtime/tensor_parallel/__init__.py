@@ -1,7 +1,7 @@
 """AutoTP tensor-parallel training, with DeepSpeed 0.19.8's names and meaning.
 
 The DS config's `"tensor_parallel": {"autotp_size": N}` (or `deepspeed.tp_model_init(model, N, dtype)` before
-`initialize`) splits the model's linear layers over groups of N contiguous ranks (crew/runtime/parallel.py):
+`initialize`) splits the model's linear layers over groups of N contiguous ranks (crew/runtime/parallel/):
 attention q/k/v and MLP gate/up column-wise, o/down row-wise with an all-reduce (layers.py), the output head
 column-wise with its output gathered; embeddings and norms stay whole on every rank.
 

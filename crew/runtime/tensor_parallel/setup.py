@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import copy
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,12 +48,7 @@ def reset() -> None:
 def merged_config(raw: Any) -> Any:
     """`raw` with tp_model_init's tp_size filled into tensor_parallel.autotp_size (a copy: the caller's dict is
     left as it is). The config wins where both say something, and must agree with tp_model_init."""
-    if _recorded is None or raw is None:
-        return raw
-    if isinstance(raw, (str, os.PathLike)):
-        from crew.runtime.config_file import read_json
-        raw = read_json(Path(raw))
-    if not isinstance(raw, dict):
+    if _recorded is None or not isinstance(raw, dict):
         return raw
     size, dtype = _recorded["tp_size"], _recorded["dtype"]
     work = copy.copy(raw)

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from packaging import version
 
 from crew.errors import ConfigError, CrewError
 from crew.runtime.ulysses.exchange import gather_along_seq, swap_first_dim
@@ -185,6 +184,8 @@ def _shape_fix(attention: UlyssesSPAttentionHF) -> str:
 
 
 def _check_transformers(have: str | None = None) -> None:
+    from packaging import version  # transformers' own dependency (crew's is not)
+
     have = have or importlib.metadata.version("transformers")
     if version.parse(have) < version.parse(TRANSFORMERS_MIN):
         raise ConfigError(f"Ulysses SP needs transformers>={TRANSFORMERS_MIN}; this environment has "

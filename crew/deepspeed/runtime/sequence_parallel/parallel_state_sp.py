@@ -1,5 +1,5 @@
 """`deepspeed.runtime.sequence_parallel.parallel_state_sp`: the mpu register_with_transformers returns, with
-DeepSpeed 0.19.8's function names, over crew's layout (crew/runtime/parallel.py: SP groups of contiguous ranks).
+DeepSpeed 0.19.8's function names, over crew's layout (crew/runtime/parallel/: SP groups of contiguous ranks).
 
 Where crew differs: initializing again with the same size is a no-op (DeepSpeed asserts), and the errors are
 CrewError with DeepSpeed's text and a fix.

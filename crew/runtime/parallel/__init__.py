@@ -61,7 +61,7 @@ def _init(kind: str, size: int, where: str) -> None:
         return
     from torch.distributed.device_mesh import init_device_mesh
 
-    from crew.runtime import gloo_fix
+    from crew.runtime.parallel import gloo_fix
     gloo_fix.install()  # Hugging Face's SP loss all-gathers in these groups, differentiably
     device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (world // size, size), mesh_dim_names=("dp", kind))
