@@ -28,6 +28,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     _join_layout(mpu, mesh_param)
     resolved = load_config(config, world_size=comm.get_world_size(), args=args, config_params=config_params,
                            sequence_parallel=parallel.sequence_parallel_size())
+    _say_what_sequence_parallel_size_does(resolved)
     merged = tp_setup.merged_config(resolved.raw)  # what deepspeed.tp_model_init recorded, whatever the config's source
     if merged is not resolved.raw:
         resolved = Config.from_dict(merged, resolved.world_size, resolved.source)
@@ -77,6 +78,16 @@ def _join_layout(mpu, mesh_param) -> None:
                         "returns (Ulysses sequence parallelism). For tensor parallelism use the config's "
                         "tensor_parallel.autotp_size.")
     parallel.init_sequence_parallel(size(), where="initialize(mpu=...)")
+
+
+def _say_what_sequence_parallel_size_does(resolved) -> None:
+    """The config key alone only changes the batch math, in DeepSpeed as here: say so, or it looks like SP is on."""
+    declared = resolved.raw.get("sequence_parallel_size")
+    if isinstance(declared, int) and declared > 1 and parallel.sequence_parallel_size() == 1:
+        log_rank0("%s: sequence_parallel_size %d counts world / %d data-parallel ranks in the batch math, as in "
+                  "DeepSpeed; sequence parallelism itself is on only after UlyssesSPAttentionHF."
+                  "register_with_transformers(..., sequence_parallel_size=%d) and initialize(mpu=its result)",
+                  resolved.source, declared, declared, declared)
 
 
 def _mesh_sizes(mesh_param) -> tuple[int, int]:

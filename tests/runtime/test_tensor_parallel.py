@@ -88,6 +88,7 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
     import torch.distributed as dist
 
     import crew.deepspeed as deepspeed
+    from crew.deepspeed.utils import groups
     reset()
     deepspeed.init_distributed("gloo")
     world = dist.get_world_size()
@@ -123,7 +124,7 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
     nbytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     return {"loss": max(errors), "weights": differences(engine, ref["state"]), "shapes": split, "bytes": nbytes,
             "mp": engine.mp_world_size, "dp": engine.dp_world_size, "autotp": engine.autotp_size(),
-            "norm": float(engine.get_global_grad_norm()),
+            "norm": float(engine.get_global_grad_norm()), "src": groups._get_broadcast_src_rank(),
             "steps_the_module": {id(p) for g in built.param_groups for p in g["params"]}
             == {id(p) for p in engine.module.parameters()}, "config_kept": "tensor_parallel" in cfg}
 
@@ -237,6 +238,8 @@ def test_tp2_dp2_zero_trains_as_one_process(four, part):
     for result in four[part]:
         assert result["loss"] < TOL and result["weights"] < TOL, result
         assert (result["mp"], result["dp"]) == (2, 2)
+    # DeepSpeed's broadcast source: the first rank of each rank's data-parallel group ({0, 2} and {1, 3})
+    assert [result["src"] for result in four[part]] == [0, 1, 0, 1]
 
 
 @pytest.mark.parametrize("name, words", [

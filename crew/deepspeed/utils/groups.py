@@ -42,7 +42,9 @@ def _get_data_parallel_rank() -> int:
 
 
 def _get_broadcast_src_rank() -> int:
-    return 0
+    """The global rank of the first rank of this rank's sequence-data-parallel group (DeepSpeed's)."""
+    group = parallel.data_parallel_group()
+    return dist.get_global_rank(group, 0) if group is not None else 0
 
 
 # -- sequence parallel (Ulysses) --------------------------------------------------------------------

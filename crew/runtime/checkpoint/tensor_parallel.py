@@ -194,16 +194,16 @@ def join_optimizer(parts: list[dict], modules: list[dict], split: dict[str, int]
 
 def cut(whole: dict, module: torch.nn.Module, optimizer: bool = False) -> dict:
     """This rank's slices of whole tensors by name (module state, or with `optimizer` its state by name)."""
+    from crew.runtime.tensor_parallel import local_slice
     params = dict(module.named_parameters())
-    tp, index = size(), rank()
 
     def mine(name, value):
         dim = getattr(params.get(name), TP_DIM, None)
         if dim is None or not isinstance(value, torch.Tensor) or value.dim() <= dim:
             return value
-        if value.shape[dim] != params[name].shape[dim] * tp:
+        if value.shape[dim] != params[name].shape[dim] * size():
             return value  # not the parameter's shape (a scalar's twin): as saved
-        return value.chunk(tp, dim=dim)[index].clone()
+        return local_slice(value, params[name])
 
     if optimizer:
         return {name: {key: mine(name, value) for key, value in entry.items()} for name, entry in whole.items()}

@@ -119,8 +119,3 @@ def data_parallel_size() -> int:
 def data_parallel_group():
     """The group gradients are averaged over and ZeRO shards across: None (the whole world) but under TP."""
     return _layout.mesh.get_group("dp") if _layout is not None and _layout.kind == "tp" else None
-
-
-def mesh():
-    """The DeviceMesh, dims ("dp", "sp") or ("dp", "tp"); None without SP or TP."""
-    return _layout.mesh if _layout is not None else None

@@ -141,13 +141,13 @@ def gather_full(param: torch.Tensor, group=None) -> torch.Tensor:
 
 def local_slice(whole: torch.Tensor, param: torch.Tensor, group=None) -> torch.Tensor:
     """This rank's slice of `whole` (a tensor the shape of the whole weight) for the parameter `param`; `whole`
-    itself for a replicated parameter. No communication."""
+    itself for a replicated parameter (a copy). No communication."""
     dim = getattr(param, TP_DIM, None)
     if dim is None:
         return whole
     group = group if group is not None else parallel.tensor_parallel_group()
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = dist.get_world_size(group)
     if whole.shape[dim] % size:
         raise ValueError(f"a whole tensor of shape {tuple(whole.shape)} does not split in {size} equal parts "
                          f"along dim {dim} (the tensor-parallel size)")
-    return whole.chunk(size, dim=dim)[rank]
+    return _shard(whole, dim, group)
