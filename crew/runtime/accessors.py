@@ -334,6 +334,8 @@ class DeepSpeedAccessors:
         other ranks); every rank must call it. Accelerate's get_state_dict and Trainer's save_model use it."""
         if not self.zero.shards_params:
             raise ValueError("this function requires ZeRO-3 mode")
+        if parallel.tensor_parallel_size() > 1:  # AutoTP: whole over the data-parallel mesh, then the TP group
+            return tensor_parallel_checkpoint.whole_state(self, self.precision.dtype, exclude_frozen_parameters)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         # gathered one parameter at a time onto rank 0's CPU: no rank holds the whole model on its device
         options = StateDictOptions(full_state_dict=True, cpu_offload=True,

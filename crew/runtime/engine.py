@@ -81,7 +81,7 @@ class DeepSpeedEngine(DeepSpeedAccessors, torch.nn.Module):
         self.balancer = balance.make(config, self.global_rank, self.device, self.zero.stage)
         self.module, replaced = self._place(model)
         self._ddp = self.zero.wrap_ddp(model)
-        built = self._optimizer(optimizer, model_parameters, tp_replaced or replaced)
+        built = self._optimizer(optimizer, model_parameters, tensor_parallel.chained(tp_replaced, replaced))
         tensor_parallel.mark_masters(self.precision)
         if self.zero.stage > 0 and built is not None and not _zero_tested(built):
             # DeepSpeed 0.19.8 asks for zero_allow_untested_optimizer here; crew trains it either way

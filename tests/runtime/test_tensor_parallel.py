@@ -2,7 +2,7 @@
 
 A tiny Llama (4 heads, 2 kv heads) trains 3 AdamW steps split over TP groups of 2; every rank's loss and every
 whole weight afterwards (gathered from the slices) must equal one process's on the same samples, each data-parallel
-group reading its own sample per step. 2 ranks: TP 2 alone; 4 ranks: TP 2 x DP 2 at ZeRO 0, 1 and 2.
+group reading its own sample per step. 2 ranks: TP 2 alone (at ZeRO 3 too); 4 ranks: TP 2 x DP 2 at ZeRO 0-3.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ def reference(model, data: list[torch.Tensor], dp: int, clip: float = 0.0) -> di
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def config(world: int, tp: int = 2, stage: int = 0, **extra) -> dict:
+def config(world: int, tp: int = 2, stage: int = 0, zero: dict | None = None, **extra) -> dict:
     base = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,  # DeepSpeed counts every rank
             "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
-            "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
+            "zero_optimization": {"stage": stage, **(zero or {})}, "tensor_parallel": {"autotp_size": tp}}
     return {**base, **extra}
 
 
@@ -83,7 +83,7 @@ def differences(engine, ref_state: dict) -> float:
 
 
 def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "llama",
-          client_optimizer: bool = False, gas: int = 1, sizes: dict | None = None) -> dict:
+          client_optimizer: bool = False, gas: int = 1, sizes: dict | None = None, zero: dict | None = None) -> dict:
     """STEPS steps under TP `tp`; this rank's losses minus the reference's, and the largest weight difference."""
     import torch.distributed as dist
 
@@ -97,7 +97,7 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
     data = samples(STEPS * dp * gas)
     ref = reference(model, data, dp * gas, clip)
     # crew, as DeepSpeed, clips at 1.0 unless told
-    cfg = config(world, tp, stage, gradient_clipping=clip, train_batch_size=world * gas,
+    cfg = config(world, tp, stage, zero, gradient_clipping=clip, train_batch_size=world * gas,
                  gradient_accumulation_steps=gas)
     optimizer, args = None, None
     if client_optimizer:  # tp_model_init, then the optimizer over the whole model's parameters, and the config
@@ -122,7 +122,10 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
             errors.append(abs(loss.item() - ref["losses"][step][index]))
     split = {name: tuple(p.shape) for name, p in engine.module.named_parameters()}
     nbytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    pieces = {name: tuple(p.to_local().shape) for name, p in engine.module.named_parameters()
+              if hasattr(p, "to_local")}  # stage 3: this rank's piece of its TP slice
     return {"loss": max(errors), "weights": differences(engine, ref["state"]), "shapes": split, "bytes": nbytes,
+            "pieces": pieces,
             "mp": engine.mp_world_size, "dp": engine.dp_world_size, "autotp": engine.autotp_size(),
             "norm": float(engine.get_global_grad_norm()), "src": groups._get_broadcast_src_rank(),
             "steps_the_module": {id(p) for g in built.param_groups for p in g["params"]}
@@ -149,7 +152,7 @@ def errors(rank: int) -> dict:
     attempt("world", tiny(), config(2, tp=3) | {"train_batch_size": 2})
     attempt("kv_heads", tiny(num_key_value_heads=1), config(2))
     attempt("unknown", torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)), config(2))
-    attempt("stage3", tiny(), config(2, stage=3))
+    attempt("mics", tiny(), config(2, stage=3, zero={"mics_shard_size": 1}))
     attempt("with_sp", tiny(), config(2), before=lambda: parallel.init_sequence_parallel(2))
     attempt("partition_config", tiny(), config(2) | {"tensor_parallel": {"autotp_size": 2, "partition_config": {}}})
     attempt("typo", tiny(), config(2) | {"tensor_parallel": {"autotp_size": 2, "tp_overlap": True}})
@@ -182,15 +185,22 @@ def loader(rank: int) -> list:
     return [batches, loss.item()]
 
 
+# stage 3: FSDP2 shards each TP slice over the dp group (threshold 0: every parameter, as in a large model), and
+# with the default threshold keeps this tiny model's slices whole, reducing their gradients over the dp group
+SHARD_ALL = {"stage3_param_persistence_threshold": 0}
 TWO = {"llama": (train, 0), "clipped": (train, 0, 2, 1.0), "client": (train, 0, 2, 0.0, "llama", True),
        "qwen2": (train, 0, 2, 0.0, "qwen2"), "qwen3": (train, 0, 2, 0.0, "qwen3"), "errors": (errors,),
        "loader": (loader,), "whole": (train, 0, 1),
        # lm_head tied to the embedding (kept whole), biases on the row-parallel o_proj/down_proj (added once)
        "tied_biased": (train, 0, 2, 0.0, "llama", False, 1,
-                       {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True})}
+                       {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
+       # dp 1: FSDP2 over one rank; Qwen3's q_norm / k_norm (hooked: summed over TP) stay whole, the rest sharded
+       "stage3_qwen3": (train, 3, 2, 0.0, "qwen3", False, 1, None, SHARD_ALL)}
 # stage 0: DDP over the dp group; stage 1 accumulating 2 micro steps, stage 2 clipping (its norm over dp and tp)
 FOUR = {"stage0": (train, 0), "stage1_accumulating_clipped": (train, 1, 2, 1.0, "llama", False, 2),
-        "stage2_clipped": (train, 2, 2, 1.0)}
+        "stage2_clipped": (train, 2, 2, 1.0),
+        "stage3_clipped": (train, 3, 2, 1.0, "llama", False, 1, None, SHARD_ALL),
+        "stage3_whole_slices_accumulating": (train, 3, 2, 0.0, "llama", False, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +213,7 @@ def four():
     return run_parts(FOUR, 4)
 
 
-@pytest.mark.parametrize("part", ["llama", "clipped", "client", "qwen2", "qwen3", "tied_biased"])
+@pytest.mark.parametrize("part", ["llama", "clipped", "client", "qwen2", "qwen3", "tied_biased", "stage3_qwen3"])
 def test_tp2_trains_as_one_process(two, part):
     for result in two[part]:
         assert result["loss"] < TOL and result["weights"] < TOL, result
@@ -233,6 +243,16 @@ def test_an_optimizer_built_before_initialize_steps_the_slices(two):
     assert not any(result["config_kept"] for result in two["client"])  # tp_model_init merged into a copy
 
 
+def test_stage3_shards_each_tp_slice_over_the_data_parallel_group(two, four):
+    dp2, dp1 = four["stage3_clipped"][0], two["stage3_qwen3"][0]
+    assert dp2["pieces"]["model.layers.0.self_attn.q_proj.weight"] == (16, 64)  # 64 rows / TP 2 / DP 2
+    assert dp2["pieces"]["model.layers.0.self_attn.o_proj.weight"] == (32, 32)  # 64 columns / TP 2; rows / DP 2
+    assert dp2["pieces"]["model.norm.weight"] == (32,)
+    assert "model.layers.0.self_attn.q_norm.weight" not in dp1["pieces"]  # hooked: whole, the hook kept
+    assert dp1["pieces"]["model.layers.0.mlp.down_proj.weight"] == (64, 64)  # 128 columns / TP 2, DP 1
+    assert four["stage3_whole_slices_accumulating"][0]["pieces"] == {}  # the default threshold: all whole
+
+
 @pytest.mark.parametrize("part", list(FOUR))
 def test_tp2_dp2_zero_trains_as_one_process(four, part):
     for result in four[part]:
@@ -246,7 +266,7 @@ def test_tp2_dp2_zero_trains_as_one_process(four, part):
     ("world", ["tensor_parallel.autotp_size = 3", "2 ranks"]),
     ("kv_heads", ["num_key_value_heads (1", "autotp_size"]),
     ("unknown", ["AutoTP does not know", "Sequential", "'0' (Linear)"]),
-    ("stage3", ["zero_optimization.stage 3", "autotp_size"]),
+    ("mics", ["zero_optimization.mics_shard_size with tensor_parallel.autotp_size"]),
     ("with_sp", ["one of Ulysses sequence parallelism and AutoTP"]),
     ("partition_config", ["tensor_parallel.partition_config"]),
     ("typo", ["tensor_parallel.tp_overlap", "Did you mean 'tp_overlap_comm'?"]),

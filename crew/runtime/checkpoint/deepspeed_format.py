@@ -229,8 +229,8 @@ def _frozen(tag: _Tag) -> dict[str, torch.Tensor]:
         return {}
     if tag.stage != 3:
         return {name: value.float() for name, value in (tag.model.get("frozen_param_fragments") or {}).items()}
-    models = [tag.model] + [read(tag.folder / ZERO3_MODEL_STATES.format(rank=rank))
-                            for rank in range(1, tag.world_size)]
+    models = [tag.model] + [read(tag.folder / ZERO3_MODEL_STATES.format(rank=rank).replace(
+        "mp_rank_00", f"mp_rank_{tag.mp:02d}")) for rank in range(1, tag.world_size)]
     return {name: torch.cat([m["frozen_param_fragments"][name].reshape(-1) for m in models])[:math.prod(shape)]
             .view(shape).float() for name, shape in shapes.items()}
 

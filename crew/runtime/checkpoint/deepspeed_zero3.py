@@ -1,5 +1,7 @@
 """ZeRO stage 3 as DeepSpeed 0.19.8 saves it: this rank's part of zero_pp_rank_<R>_mp_rank_00_model_states.pt
-and its whole [bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt (saving.py names and writes the files).
+and its whole [bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt (saving.py names and writes the files). Under
+AutoTP, as DeepSpeed: R is the data-parallel rank, mp_rank_<t> the TP rank, and the partitions are of t's slices
+over the data-parallel group.
 
 DeepSpeed's stage 3 (deepspeed/runtime/zero/stage3.py) splits each of the optimizer's param groups into sub
 groups of about `zero_optimization.sub_group_size` elements, flattens every parameter, pads it to a multiple of
@@ -92,7 +94,7 @@ def zero3_optim_states(engine) -> dict:
             "loss_scaler": scaler,
             "dynamic_loss_scale": scaler.dynamic,
             "overflow": bool(getattr(optimizer, "overflow", False)),
-            "partition_count": engine.world_size,
+            "partition_count": _world(engine),
             "optimizer_state_dict": {"state": state, "param_groups": groups},
             "fp32_flat_groups": flat_weights,
         },
@@ -132,7 +134,7 @@ def _sub_groups(engine, names: dict) -> list[tuple[int, list[tuple[str, torch.nn
             raise CheckpointError(f"the optimizer steps a tensor of shape {unnamed[0]} that is not a parameter of "
                                   "the model: DeepSpeed's ZeRO-3 checkpoint names every tensor it saves by its "
                                   "parameter name. Build the optimizer over model.parameters().")
-        sizes = [_part(param.numel(), engine.world_size) for param in params]
+        sizes = [_part(param.numel(), _world(engine)) for param in params]
         current, filled = [], 0
         for param, size in zip(params, sizes, strict=True):
             current.append((names[param], param))
@@ -144,6 +146,22 @@ def _sub_groups(engine, names: dict) -> list[tuple[int, list[tuple[str, torch.nn
 
 
 # -- this rank's slices ----------------------------------------------------------------------------
+
+def _world(engine) -> int:
+    """The ranks stage 3 partitions over: the world, or under AutoTP the data-parallel group (each TP rank's files
+    are its slices partitioned over that group, as DeepSpeed's)."""
+    return engine.zero.world_size
+
+
+def _rank(engine) -> int:
+    group = engine.zero.group
+    return engine.global_rank if group is None else torch.distributed.get_rank(group)
+
+
+def _ranks(engine) -> list[int]:
+    group = engine.zero.group
+    return list(range(engine.world_size)) if group is None else torch.distributed.get_process_group_ranks(group)
+
 
 def _part(numel: int, world: int) -> int:
     """A rank's share of a parameter padded to a multiple of the world size (DeepSpeed's partition_numel)."""
@@ -165,7 +183,7 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
 def _slice(tensor: torch.Tensor, engine, out: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's DeepSpeed slice of `tensor` (see _partition), from its own shard where that is the slice, else
     gathered whole (a collective)."""
-    shard = _even_shard(tensor, engine.world_size)
+    shard = _even_shard(tensor, _ranks(engine))
     if shard is None:
         return _partition(_whole(tensor), engine, out)
     if out is None:
@@ -173,12 +191,12 @@ def _slice(tensor: torch.Tensor, engine, out: torch.Tensor | None = None) -> tor
     return out.copy_(shard.reshape(-1))
 
 
-def _even_shard(value: torch.Tensor, world: int) -> torch.Tensor | None:
-    """FSDP2's local rows when they are this rank's DeepSpeed slice: sharded by rows over the ranks in order, the
+def _even_shard(value: torch.Tensor, ranks: list[int]) -> torch.Tensor | None:
+    """FSDP2's local rows when they are this rank's DeepSpeed slice: sharded by rows over `ranks` in order, the
     rows dividing evenly (then every slice is rows/world whole rows, with no padding); else None."""
     from torch.distributed.tensor import DTensor, Shard
     if (isinstance(value, DTensor) and tuple(value.placements) == (Shard(0),) and value.dim() > 0
-            and value.shape[0] % world == 0 and value.device_mesh.mesh.flatten().tolist() == list(range(world))):
+            and value.shape[0] % len(ranks) == 0 and value.device_mesh.mesh.flatten().tolist() == ranks):
         return value.to_local().detach()
     return None
 
@@ -187,10 +205,10 @@ def _partition(whole: torch.Tensor, engine, out: torch.Tensor | None = None) -> 
     """This rank's slice of `whole` flattened and padded (with zeros) to a multiple of the world size, on the
     CPU; written into `out` when given."""
     flat = whole.reshape(-1)
-    part = _part(flat.numel(), engine.world_size)
+    part = _part(flat.numel(), _world(engine))
     if out is None:
         out = torch.zeros(part, dtype=whole.dtype)
-    start = min(engine.global_rank * part, flat.numel())
+    start = min(_rank(engine) * part, flat.numel())
     piece = flat[start:start + part]
     out[:piece.numel()].copy_(piece)
     return out
@@ -199,7 +217,7 @@ def _partition(whole: torch.Tensor, engine, out: torch.Tensor | None = None) -> 
 def _flat(tensors: list[torch.Tensor], engine, dtype: torch.dtype | None = None) -> torch.Tensor:
     """This rank's slices of `tensors`, one after the other, in one flat CPU tensor; each gathered in turn where
     it must be."""
-    parts = [_part(tensor.numel(), engine.world_size) for tensor in tensors]
+    parts = [_part(tensor.numel(), _world(engine)) for tensor in tensors]
     flat = torch.zeros(sum(parts), dtype=dtype or tensors[0].dtype)
     offset = 0
     for tensor, part in zip(tensors, parts, strict=True):

@@ -39,10 +39,10 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
     from crew.runtime.checkpoint import sharded as checkpoint_sharded  # DCP: only stage 3 pays its import
     from crew.runtime.checkpoint import tensor_parallel
     gathered = None
-    if engine.zero.shards_params:
+    if tensor_parallel.size() > 1:  # the whole weights, HF's names (DeepSpeed writes rank 0's slices here at
+        gathered = tensor_parallel.whole_state(engine, torch.float32)  # stages 0-2; at 3 whole, as crew)
+    elif engine.zero.shards_params:
         gathered = checkpoint_sharded.full_module_state(engine.module)
-    elif tensor_parallel.size() > 1:  # the whole weights, HF's names (DeepSpeed writes rank 0's slices here)
-        gathered = tensor_parallel.whole_state(engine, torch.float32)
     problem = None
     if comm.get_rank() == 0:
         dtype = engine.precision.dtype

@@ -129,7 +129,7 @@ def _save_staged(engine, save_dir: Path, staging: Path, token: str, tag: str,
     if tensor_parallel.size() > 1:  # each TP rank's first data-parallel rank writes that TP rank's files
         tensor_parallel.check_save(engine, shared, what)
         part, parts = (0 if tensor_parallel.data_parallel_rank() == 0 else None), 1
-        optimizer_state = tensor_parallel.column_optimizer_state(engine, writer=part is not None)
+        optimizer_state = tensor_parallel.column_optimizer_state(engine, writer=part is not None) if whole else None
     else:
         part, parts = _my_part(shared, split=layout == REPLICATED and engine.zero.stage == 0)
         optimizer_state = _whole_optimizer_state(engine, writer=part is not None) if whole else None
@@ -283,15 +283,18 @@ def _write_deepspeed_files(engine, staging: Path, client_state: dict, part: int 
 
 
 def _write_zero3_files(engine, staging: Path, client_state: dict, written: dict, exclude_frozen: bool) -> None:
-    """Stage 3: this rank's zero_pp_rank_<R>_mp_rank_00_model_states.pt and optimizer file (collectives)."""
+    """Stage 3: this rank's zero_pp_rank_<R>_mp_rank_<t>_model_states.pt and optimizer file (collectives); R is
+    the rank (under AutoTP the data-parallel rank), t the TP rank."""
     from crew.runtime.checkpoint import deepspeed_zero3
 
-    rank = comm.get_rank()
+    rank, mp = tensor_parallel.zero3_ranks()
     model = {**deepspeed_zero3.zero3_model_states(engine, exclude_frozen), "optimizer": None,
              **deepspeed_writing.common_keys(engine, client_state)}
-    name = ZERO3_MODEL_STATES.format(rank=rank)
+    if tensor_parallel.size() > 1:  # as DeepSpeed's _save_checkpoint: before client_state's keys
+        model = deepspeed_writing.with_universal_info(model, tensor_parallel.universal_info(engine.module))
+    name = ZERO3_MODEL_STATES.format(rank=rank).replace("mp_rank_00", f"mp_rank_{mp:02d}")
     written[name] = write_atomic(staging / name, obj=model)
-    name = deepspeed_writing.optim_file(rank, engine.precision.dtype == torch.bfloat16)
+    name = deepspeed_writing.optim_file(rank, engine.precision.dtype == torch.bfloat16, mp)
     written[name] = write_atomic(staging / name, obj=deepspeed_zero3.zero3_optim_states(engine),
                                  pickle_module=deepspeed_writing.DEEPSPEED_PICKLE)
 

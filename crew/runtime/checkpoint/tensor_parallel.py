@@ -114,10 +114,13 @@ def _affine(local: tuple, dim: int | None, tp: int) -> dict:
     return {"logical_shape": whole, "ranks": ranks}
 
 
+def zero3_ranks() -> tuple[int, int]:
+    """Stage 3's (R, t) of zero_pp_rank_<R>_mp_rank_<t>: the global rank and 0, or under AutoTP the data-parallel
+    and TP ranks (DeepSpeed's names for stage 3 + TP)."""
+    return (data_parallel_rank(), rank()) if size() > 1 else (dist.get_rank(), 0)
+
+
 def check_save(engine, shared: bool, what: str) -> None:
-    if engine.zero.shards_params:
-        raise CheckpointError(f"{what}: ZeRO stage 3 with tensor_parallel.autotp_size {size()} is not supported "
-                              "(DeepSpeed 0.19.8 does not combine them either); use ZeRO stage 0, 1 or 2.")
     if not shared:
         raise CheckpointError(f"{what}: under tensor parallelism each TP rank's first data-parallel rank writes its "
                               "own files into one tag folder; save_dir must be on a filesystem every node shares. "
@@ -222,7 +225,7 @@ def whole_state(engine, dtype: torch.dtype, exclude_frozen: bool = False) -> dic
     for name, value in engine.module.state_dict(keep_vars=True).items():
         if exclude_frozen and isinstance(value, torch.nn.Parameter) and not value.requires_grad:
             continue
-        whole = gather_full(value) if getattr(value, TP_DIM, None) is not None else value.detach()
+        whole = gather_full(value)  # ZeRO 3: over the data-parallel mesh too
         if keep:
             state[name] = (whole.to(dtype) if whole.is_floating_point() else whole).cpu().clone()
     return state if keep else None

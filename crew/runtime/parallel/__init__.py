@@ -119,3 +119,9 @@ def data_parallel_size() -> int:
 def data_parallel_group():
     """The group gradients are averaged over and ZeRO shards across: None (the whole world) but under TP."""
     return _layout.mesh.get_group("dp") if _layout is not None and _layout.kind == "tp" else None
+
+
+def data_parallel_mesh():
+    """The 1-D DeviceMesh of this rank's data-parallel group under TP (ZeRO stage 3 shards each TP slice over
+    it, as DeepSpeed's stage 3 over its data-parallel group); None without TP."""
+    return _layout.mesh["dp"] if _layout is not None and _layout.kind == "tp" else None

@@ -12,7 +12,7 @@ model's own.
 
 from crew.runtime.tensor_parallel.layers import (TP_DIM, LinearAllreduce, LinearLayer, gather_full, is_sharded,
                                                  local_slice)
-from crew.runtime.tensor_parallel.setup import grad_norm, mark_masters, prepare, record
+from crew.runtime.tensor_parallel.setup import chained, grad_norm, mark_masters, prepare, record
 
-__all__ = ["TP_DIM", "LinearAllreduce", "LinearLayer", "gather_full", "grad_norm", "is_sharded", "local_slice",
-           "mark_masters", "prepare", "record"]
+__all__ = ["TP_DIM", "LinearAllreduce", "LinearLayer", "chained", "gather_full", "grad_norm", "is_sharded",
+           "local_slice", "mark_masters", "prepare", "record"]

@@ -129,13 +129,15 @@ def is_sharded(param: torch.Tensor) -> bool:
 
 def gather_full(param: torch.Tensor, group=None) -> torch.Tensor:
     """The whole tensor of a TP-sharded parameter (all-gathered over the TP group, every rank must call it);
-    a replicated one as it is (detached)."""
+    a replicated one as it is (detached). At ZeRO 3 (an FSDP2 DTensor) made whole over its data-parallel
+    mesh first."""
     dim = getattr(param, TP_DIM, None)
+    mine = param.full_tensor().detach() if hasattr(param, "full_tensor") else param.detach()
     if dim is None:
-        return param.detach()
+        return mine
     group = group if group is not None else parallel.tensor_parallel_group()
-    parts = [torch.empty_like(param.detach()) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, param.detach().contiguous(), group=group)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 

@@ -79,17 +79,13 @@ def section_of(raw: Any, source: str) -> TPTrainingConfig:
     return parse(raw.get(SECTION) if isinstance(raw, dict) else None, source)
 
 
-def apply(model: torch.nn.Module, section: TPTrainingConfig, stage: int) -> dict[int, torch.nn.Parameter]:
+def apply(model: torch.nn.Module, section: TPTrainingConfig) -> dict[int, torch.nn.Parameter]:
     """Split `model` over the TP groups; {id(whole param): slice}. A no-op below autotp_size 2 or when the
     model was split already (an earlier engine's)."""
     size = section.autotp_size
     if size <= 1:
         return {}
-    if stage == 3:
-        raise ConfigError(f"{SECTION}.autotp_size = {size} with zero_optimization.stage 3: crew does not combine "
-                          "AutoTP with ZeRO stage 3 yet. Use stage 0, 1 or 2 with autotp_size, or stage 3 without "
-                          f"{SECTION}.")
-    parallel.init_tensor_parallel(size)
+    parallel.init_tensor_parallel(size)  # at stage 3 its data-parallel mesh is FSDP2's (crew/runtime/zero)
     if getattr(model, "ds_autotp_parsed", False):  # split by an earlier engine (Lightning's fit, then test)
         return {}
     _refuse_placeholders(model, size)
@@ -109,7 +105,7 @@ def _refuse_placeholders(model: torch.nn.Module, size: int) -> None:
     if split:
         raise ConfigError(f"{SECTION}.autotp_size = {size}: the model was built under deepspeed.zero.Init, so its "
                           f"parameters ({split[0]}, ...) are partitioned placeholders; build it without zero.Init "
-                          "(crew combines AutoTP with ZeRO stages 0-2 only).")
+                          "(at stage 3 too: the engine shards each TP slice over the data-parallel group).")
 
 
 def _broadcast_whole(model: torch.nn.Module, group) -> None:
@@ -178,7 +174,13 @@ def prepare(model: torch.nn.Module, config) -> tuple[TPTrainingConfig, dict[int,
         raise ConfigError(f"{config.source}: train_micro_batch_size_per_rank with {SECTION}.autotp_size: the "
                           "ranks of a TP group share every batch, so their micro batches cannot differ. Remove "
                           "train_micro_batch_size_per_rank.")
-    return section, apply(model, section, config.zero_optimization.stage)
+    return section, apply(model, section)
+
+
+def chained(split: dict[int, torch.nn.Parameter], sharded: dict[int, torch.nn.Parameter]) -> dict:
+    """{id(parameter before initialize): the one trained}: AutoTP's whole -> slice map (`split`) followed by
+    stage 3's slice -> FSDP2 shard map (`sharded`), so an optimizer built on the whole model steps the shards."""
+    return {**sharded, **{key: sharded.get(id(piece), piece) for key, piece in split.items()}}
 
 
 def mark_masters(precision) -> None:
@@ -192,16 +194,29 @@ def mark_masters(precision) -> None:
 def grad_norm(params: list[torch.Tensor], device: torch.device, across_dp: bool) -> torch.Tensor:
     """The float64 L2 norm of the whole model's gradient under TP: each slice's squares summed over the TP
     group, each replicated gradient (equal on the TP ranks) counted once; `across_dp`: ZeRO 2, each dp rank
-    holding its owned part."""
+    holding its owned part. At ZeRO 3 a sharded parameter's gradient is this rank's piece of its TP slice (an
+    FSDP2 DTensor over the data-parallel group): those are summed over that group, the whole ones not."""
     from crew.runtime.gradnorm import _square_sum
     from crew.runtime.tensor_parallel.layers import is_sharded
     size = parallel.tensor_parallel_size()
     local = torch.zeros((), dtype=torch.float64, device=device)
+    pieces = torch.zeros_like(local)
+    zero3 = False
     for param in params:
-        if param.grad is not None:
-            square = _square_sum(param.grad).to(device)
-            local += square if is_sharded(param) else square / size
+        zero3 = zero3 or hasattr(param, "device_mesh")  # the same parameters on every rank: one decision
+        if param.grad is None:
+            continue
+        grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        square = _square_sum(grad).to(device)
+        square = square if is_sharded(param) else square / size
+        if hasattr(param, "device_mesh"):
+            pieces += square
+        else:
+            local += square
     if across_dp:
         dist.all_reduce(local, group=parallel.data_parallel_group())
+    if zero3:
+        dist.all_reduce(pieces, group=parallel.data_parallel_group())
+    local += pieces
     dist.all_reduce(local, group=parallel.tensor_parallel_group())
     return local.sqrt()

@@ -76,6 +76,11 @@ class Zero:
         self.grads = None  # stage 2 on more than one rank: its stage2.GradientPartition
         self.partitioned = False  # the optimizer is stage2.py's (each rank holds its owned masters and grads)
         self.shard_group = hsdp.group_size(extra, world_size) if self.stage == 3 else None  # MiCS / hpZ
+        if self.shard_group is not None and group is not None:
+            raise ConfigError(f"{' and '.join(hsdp.no_effect(extra))} with "
+                              "tensor_parallel.autotp_size: crew shards each TP slice over the whole data-parallel "
+                              "group at stage 3, and does not split that group further. Remove the key (or "
+                              "tensor_parallel.autotp_size).")
         self.fetch = fetching.policy(extra) if self.stage == 3 else None
         self.persistent_grads = None  # stage 3: the whole small parameters' gradients (persistence.py)
         # stage 3's own keys, set at stages 0-2 (where DeepSpeed ignores them too)
@@ -127,14 +132,21 @@ class Zero:
         if adopt.is_sharded(model):  # an earlier engine's (Lightning's fit, then test): taken as it is
             adopt.restore_hooks(model)
             whole = [p for p in model.parameters() if getattr(p, "ds_persist", False)]
-            self.persistent_grads = persistence.PersistentGrads(whole, reduce_dtype)
+            self.persistent_grads = persistence.PersistentGrads(whole, reduce_dtype, self.group)
             return {}
-        replaced, whole = stage3.shard(model, hsdp.mesh(self.device, self.world_size, self.shard_group),
-                                       self.device, self.wrap_rule, compute_dtype, reduce_dtype, self.offload,
-                                       self.stage, self.fetch)
-        self.persistent_grads = persistence.PersistentGrads(whole, reduce_dtype)
+        replaced, whole = stage3.shard(model, self._mesh(), self.device, self.wrap_rule, compute_dtype,
+                                       reduce_dtype, self.offload, self.stage, self.fetch)
+        self.persistent_grads = persistence.PersistentGrads(whole, reduce_dtype, self.group)
         adopt.remember_hooks(model)
         return replaced
+
+    def _mesh(self):
+        """FSDP2's mesh: under AutoTP the data-parallel group's (each TP slice sharded over the ranks that hold
+        it, as DeepSpeed's stage 3 partitions over its data-parallel group); else the world's, or HSDP's."""
+        if self.group is not None:
+            from crew.runtime import parallel
+            return parallel.data_parallel_mesh()
+        return hsdp.mesh(self.device, self.world_size, self.shard_group)
 
     @staticmethod
     def refuse_meta(model: torch.nn.Module) -> None:

@@ -8,7 +8,7 @@ each one whole, with rank 0's values:
 
 - under fp16/bf16 the whole parameter is the fp32 master, as the shards are; through the model's forward it is
   seen in the compute dtype (a differentiable cast: its gradient comes back in fp32);
-- its gradient is averaged over all ranks once per optimizer step, at the accumulation boundary, in one flat
+- its gradient is averaged over all ranks (under AutoTP: the data-parallel group) once per optimizer step, at the accumulation boundary, in one flat
   all-reduce in the communication dtype (DeepSpeed reduce-scatters it on every micro step with the others);
 - every rank then steps the same values with the same gradient, so the copies stay equal.
 """
@@ -95,15 +95,16 @@ def _uncast(owner: torch.nn.Module, args, output) -> None:
 class PersistentGrads:
     """The persistent parameters' gradients, averaged over the ranks at the accumulation boundary."""
 
-    def __init__(self, params: list[torch.nn.Parameter], reduce_dtype: torch.dtype) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], reduce_dtype: torch.dtype, group=None) -> None:
         self.params = [p for p in params if p.is_floating_point()]
         self.reduce_dtype = reduce_dtype
+        self.group = group  # AutoTP: the data-parallel group (a TP slice's copies); None: the world
 
     @contextlib.contextmanager
     def reducing(self, boundary: bool) -> Iterator[None]:
         yield
         trainable = [p for p in self.params if p.requires_grad]  # now: PEFT and TRL freeze and unfreeze
-        if boundary and trainable and dist.get_world_size() > 1:
+        if boundary and trainable and dist.get_world_size(self.group) > 1:
             self.reduce(trainable)
 
     @torch.no_grad()
@@ -115,8 +116,8 @@ class PersistentGrads:
         flat = torch.cat([*grads, torch.tensor(present, dtype=grads[0].dtype, device=grads[0].device)])
         flat = flat.to(self.reduce_dtype)
         counts_start = flat.numel() - len(params)
-        flat[:counts_start].div_(dist.get_world_size())  # first, as DDP does: an fp16 sum stays in range
-        dist.all_reduce(flat)
+        flat[:counts_start].div_(dist.get_world_size(self.group))  # first, as DDP does: an fp16 sum stays in range
+        dist.all_reduce(flat, group=self.group)
         offset = 0
         for param, had, count in zip(params, present, flat[counts_start:].tolist()):
             piece = flat[offset:offset + param.numel()].view_as(param)

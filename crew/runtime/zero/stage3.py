@@ -30,6 +30,7 @@ import torch
 
 from crew.errors import ConfigError, CrewError
 from crew.log import log_rank0
+from crew.runtime.tensor_parallel.layers import TP_DIM
 from crew.runtime.zero import external, fetching, gather, persistence
 from crew.runtime.zero import partition_parameters as pp
 
@@ -53,18 +54,21 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
         from torch.distributed.fsdp import CPUOffloadPolicy
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=offload["pin_memory"])
     persistent = persistence.choose(model, fetch.persist_param, fetch.persist_model)
+    persistent += _hooked(model, persistent)
     kept_whole = {id(p) for p in persistent}
     options["ignored_params"] = set(persistent)
     units = [unit for unit in wrap_units(model, wrap_rule, keep_in_root=pp.external_parameters(model))
              if any(id(p) not in kept_whole for p in unit.parameters())]
     groups = fetching.grouped(units, fetch.prefetch_bucket)
     made_whole: set[int] = set()
+    source = mesh.get_group() if mesh.ndim == 1 else None  # AutoTP: the data-parallel group of this TP slice
     for group in [*groups, [model]]:
-        old = [param for module in group for param in _made_whole(module, device, made_whole)]
+        old = [param for module in group for param in _made_whole(module, device, made_whole, source)]
         fully_shard(group if len(group) > 1 else group[0], **options)
         for param in old:
             if id(param) not in kept_whole:
                 pp.forget(param)  # FSDP2 copied its shard: free the whole tensor, even if the caller holds it
+    tp_dims = {name: getattr(p, TP_DIM) for name, p in before if hasattr(p, TP_DIM)}
     current = dict(model.named_parameters(remove_duplicate=False))
     for name, param in current.items():
         if id(param) in kept_whole:
@@ -72,6 +76,8 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
             persistence.mark(param, ds_id if ds_id is not None else next(pp._next_id))
         else:
             _mark_partitioned(param, ds_ids.get(name), compute_dtype)
+        if name in tp_dims:  # an AutoTP slice, sharded here as any parameter: it stays one (gradient norm, saves)
+            setattr(param, TP_DIM, tp_dims[name])
     if compute_dtype is not None:
         persistence.cast_in_forward(model, persistent, compute_dtype)
     _see_whole_outside_forward(model)
@@ -91,9 +97,19 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
     return {id(p): current[name] for name, p in before if name in current}, persistent
 
 
-def _made_whole(module: torch.nn.Module, device: torch.device, done: set[int]) -> list[torch.nn.Parameter]:
+def _hooked(model: torch.nn.Module, chosen: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The parameters with gradient hooks of their own (AutoTP's Qwen3 q_norm / k_norm sum theirs over the TP
+    group), not chosen already: FSDP2 would replace them and drop the hooks, so they too stay whole."""
+    taken = {id(p) for p in chosen}
+    return [p for p in dict.fromkeys(model.parameters()) if getattr(p, "_backward_hooks", None)
+            and id(p) not in taken]
+
+
+def _made_whole(module: torch.nn.Module, device: torch.device, done: set[int],
+                source_group=None) -> list[torch.nn.Parameter]:
     """The module's parameters not sharded yet, whole and on `device` (gathered if zero.Init split them), but
-    those in `done` (made whole already, as part of a unit); `done` takes the others."""
+    those in `done` (made whole already, as part of a unit); `done` takes the others. Those built whole take
+    the values of `source_group`'s first rank (None: the world's)."""
     params = [p for p in dict.fromkeys(module.parameters()) if not gather.is_shard(p) and id(p) not in done]
     done.update(id(p) for p in params)
     split = [p for p in params if pp.is_partitioned(p)]
@@ -101,7 +117,7 @@ def _made_whole(module: torch.nn.Module, device: torch.device, done: set[int]) -
     pp.gather(split)
     for param in params:
         param.data = param.data.to(device)
-    _rank0s_values(built_whole)
+    _rank0s_values(built_whole, source_group)
     for buffer_owner in module.modules():
         for name, buffer in buffer_owner._buffers.items():
             if buffer is not None and buffer.device != device:
@@ -109,14 +125,16 @@ def _made_whole(module: torch.nn.Module, device: torch.device, done: set[int]) -
     return params
 
 
-def _rank0s_values(params: list[torch.nn.Parameter]) -> None:
+def _rank0s_values(params: list[torch.nn.Parameter], group=None) -> None:
     """A model built outside zero.Init may differ between ranks (unseeded init): every rank takes rank 0's
-    values, as DeepSpeed's stage 3 does when it partitions such a model (Init(module=...) broadcasts)."""
-    if torch.distributed.get_world_size() == 1:
+    values, as DeepSpeed's stage 3 does when it partitions such a model (Init(module=...) broadcasts). Under
+    AutoTP `group` is the data-parallel group: its first rank holds the same TP slice, rank 0 another."""
+    if torch.distributed.get_world_size(group) == 1:
         return
+    source = torch.distributed.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
         for param in params:
-            torch.distributed.broadcast(param.data, 0)
+            torch.distributed.broadcast(param.data, source, group=group)
 
 
 def _mark_partitioned(param: torch.nn.Parameter, ds_id: int | None, compute_dtype: torch.dtype | None) -> None:

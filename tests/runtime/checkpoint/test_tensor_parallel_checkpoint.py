@@ -32,11 +32,16 @@ def _reset() -> None:
     setup.reset()
 
 
+SHARD_ALL = {"stage3_param_persistence_threshold": 0}  # stage 3: every parameter sharded, as in a large model
+
+
 def _engine(stage: int, precision: str, tp: int = 2):
     import crew.deepspeed as deepspeed
     _reset()
     model = made.make_model()
     config = {**made.config(stage, precision), "tensor_parallel": {"autotp_size": tp}}
+    if stage == 3:
+        config["zero_optimization"] = {"stage": 3, **SHARD_ALL}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -80,21 +85,25 @@ def resume(rank: int, stage: int, precision: str) -> dict:
     resumed = _steps(engine, rank, 2, 2)
     same = all(torch.equal(final[name], value) for name, value in _whole(engine).items())
     files = sorted(p.name for p in (folder / "t2").iterdir() if p.name.endswith("_states.pt"))
-    model = torch.load(folder / "t2" / f"mp_rank_0{rank % 2}_model_states.pt", weights_only=True)
+    mine = f"zero_pp_rank_{rank // 2}_mp_rank_0{rank % 2}_model_states.pt" if stage == 3 else \
+        f"mp_rank_0{rank % 2}_model_states.pt"
+    model = torch.load(folder / "t2" / mine, weights_only=False)
     keys = {key: model[key] for key in ("dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions",
                                         "global_steps", "mine")}
     keys["universal"] = model["universal_checkpoint_info"]  # as DeepSpeed's for the same model (ds_to_universal)
     shapes = {name: tuple(value.shape) for name, value in model["module"].items()}
+    if stage == 3:  # the module's parameters are DeepSpeed's empty placeholders: the slices' shapes are here
+        shapes = {name: tuple(shape) for group in model["param_shapes"] for name, shape in group.items()}
     keys["order"] = list(model)
     return {"A": going_on, "B": resumed, "same": same, "files": files, "keys": keys, "shapes": shapes,
             "client": client["mine"], "steps": engine.global_steps, "path": Path(path).name}
 
 
-def whole_weights(rank: int) -> dict:
+def whole_weights(rank: int, stage: int = 0) -> dict:
     """save_16bit_model and _consolidated_16bit_state_dict under TP 2: the whole weights; from_pretrained."""
     import transformers
     folder = _shared_dir()
-    engine = _engine(0, "fp32")
+    engine = _engine(stage, "fp32")
     _steps(engine, rank, 0, 1)
     whole = _whole(engine)
     engine.save_16bit_model(folder)
@@ -157,8 +166,8 @@ def two():
 
 @pytest.fixture(scope="module")
 def four():
-    return run_parts({"resume2": (resume, 2, "fp32"), "deepspeed2": (deepspeeds, "stage2_fp32_dp2")},
-                     world_size=4)
+    return run_parts({"resume2": (resume, 2, "fp32"), "deepspeed2": (deepspeeds, "stage2_fp32_dp2"),
+                      "resume3": (resume, 3, "bf16"), "whole3": (whole_weights, 3)}, world_size=4)
 
 
 @pytest.mark.parametrize("part", ["resume0", "resume1"])
@@ -228,3 +237,29 @@ def test_zero2_over_data_parallel_ranks_resumes(four):
                                          [f"zero_pp_rank_{d}_mp_rank_0{t}_optim_states.pt"
                                           for d in range(2) for t in range(2)])
     assert results[0]["keys"]["dp_world_size"] == 2 and results[0]["keys"]["mp_world_size"] == 2
+
+
+def test_zero3_resumes_in_deepspeeds_files(four):
+    """TP 2 x DP 2 at stage 3 (bf16): the resume is exact, each rank writes DeepSpeed's stage-3 + TP files
+    (zero_pp_rank_<dp rank>_mp_rank_<tp rank>, as DeepSpeed 0.19.8 names them, measured) with its TP slices'
+    shapes."""
+    results = four["resume3"]
+    for result in results:
+        assert result["A"] == result["B"] and result["same"] and result["steps"] == 4 and result["client"] == 7
+    assert results[0]["files"] == sorted(f"{prefix}zero_pp_rank_{d}_mp_rank_0{t}_{kind}_states.pt"
+                                         for d in range(2) for t in range(2)
+                                         for prefix, kind in (("", "model"), ("bf16_", "optim")))
+    keys = results[1]["keys"]
+    assert (keys["dp_world_size"], keys["mp_world_size"]) == (2, 2)
+    assert keys["universal"]["parameter_with_row_parallelism_patterns"]  # DeepSpeed's key, in its files too
+    assert results[1]["shapes"]["model.layers.0.self_attn.q_proj.weight"] == (8, 16)
+    assert results[1]["shapes"]["model.layers.0.self_attn.o_proj.weight"] == (16, 8)
+
+
+def test_zero3_whole_weights_are_gathered_over_dp_and_tp(four):
+    first = four["whole3"][0]
+    assert first["worst"] <= 1e-6 and first["consolidated_worst"] == 0
+    assert first["shapes"]["model.layers.0.self_attn.q_proj.weight"] == (16, 16)
+    assert first["shapes"]["lm_head.weight"] == (32, 16)
+    assert [r["flag"] for r in four["whole3"]] == [True] * 4
+    assert [r["consolidated"] for r in four["whole3"]] == [True, False, False, False]
