@@ -171,6 +171,26 @@ def errors(rank: int) -> dict:
     return found
 
 
+def modified(rank: int) -> dict:
+    """Stage 3, TP 2 x DP 2: GatheredParameters(modifier_rank=1) keeps data-parallel rank 1's changes (DeepSpeed's
+    meaning under TP: a rank of the parameter's data-parallel group), each TP slice within its own group."""
+    import crew.deepspeed as deepspeed
+    from crew.runtime.tensor_parallel import gather_full
+    reset()
+    deepspeed.init_distributed("gloo")
+    engine, *_ = deepspeed.initialize(model=tiny(), config=config(4, stage=3, zero=SHARD_ALL))
+    weights = [engine.module.model.layers[0].self_attn.q_proj.weight, engine.module.model.norm.weight]
+    before = [gather_full(w) for w in weights]
+    with deepspeed.zero.GatheredParameters(weights, modifier_rank=1):
+        whole = [tuple(w.shape) for w in weights]
+        for w in weights:
+            w.data.add_(1.0 + rank)  # rank 2 and 3 are data-parallel rank 1 of their TP slice
+    (q_added, norm_added) = [gather_full(w) - b for w, b in zip(weights, before)]
+    reset()
+    return {"whole": whole, "q": [half.round().unique().tolist() for half in q_added.chunk(2)],
+            "norm": norm_added.round().unique().tolist()}
+
+
 def loader(rank: int) -> list:
     """initialize(training_data=...) under TP 2 on 2 ranks: both ranks of the TP group read the same samples."""
     import crew.deepspeed as deepspeed
@@ -200,7 +220,7 @@ TWO = {"llama": (train, 0), "clipped": (train, 0, 2, 1.0), "client": (train, 0, 
 FOUR = {"stage0": (train, 0), "stage1_accumulating_clipped": (train, 1, 2, 1.0, "llama", False, 2),
         "stage2_clipped": (train, 2, 2, 1.0),
         "stage3_clipped": (train, 3, 2, 1.0, "llama", False, 1, None, SHARD_ALL),
-        "stage3_whole_slices_accumulating": (train, 3, 2, 0.0, "llama", False, 2)}
+        "stage3_whole_slices_accumulating": (train, 3, 2, 0.0, "llama", False, 2), "modified": (modified,)}
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +273,14 @@ def test_stage3_shards_each_tp_slice_over_the_data_parallel_group(two, four):
     assert four["stage3_whole_slices_accumulating"][0]["pieces"] == {}  # the default threshold: all whole
 
 
-@pytest.mark.parametrize("part", list(FOUR))
+def test_gathered_parameters_keep_the_modifier_data_parallel_ranks_changes(four):
+    for rank, result in enumerate(four["modified"]):
+        assert result["whole"] == [(32, 64), (64,)]  # this rank's TP slice whole, the norm whole
+        # data-parallel rank 1 of each TP slice's group ({0, 2}: rank 2, +3; {1, 3}: rank 3, +4) on every rank
+        assert result["q"] == [[3.0], [4.0]] and result["norm"] == [3.0 + rank % 2]
+
+
+@pytest.mark.parametrize("part", [part for part in FOUR if part != "modified"])
 def test_tp2_dp2_zero_trains_as_one_process(four, part):
     for result in four[part]:
         assert result["loss"] < TOL and result["weights"] < TOL, result

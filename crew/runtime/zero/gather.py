@@ -10,7 +10,8 @@ and `_load_from_state_dict` all see the whole values. Two kinds are gathered:
                                     call (`.data` included) runs on the gathered whole tensor instead
 
 On exit, with `modifier_rank=r`, rank r's values are broadcast and each rank keeps its part (and the fp32
-master weights follow); with None, whatever was written is dropped. Parameters that are not partitioned
+master weights follow); with None, whatever was written is dropped. Under AutoTP r is a data-parallel rank, as in
+DeepSpeed: each TP slice is broadcast within the ranks that hold it. Parameters that are not partitioned
 (stages 0-2, or made outside zero.Init before the engine) are left alone, as DeepSpeed leaves them: a block
 over only those does nothing. Every rank must enter with the same parameters.
 """
@@ -35,7 +36,7 @@ WHOLE = _WHOLE  # the attribute that holds a viewed shard's whole tensor (parame
 class GatheredParameters:
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None,
                  enabled: bool = True) -> None:
-        world = comm.get_world_size()
+        world = comm.get_world_size(_group())
         if modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world):
             raise CrewError(f"GatheredParameters(modifier_rank={modifier_rank!r}): give the rank whose "
                             f"changes are kept, 0..{world - 1}, or None to drop changes.")
@@ -77,10 +78,10 @@ class GatheredParameters:
             pp.partition(self._placeholders, source=source)
         for param in self._shards:
             end_whole_view(param, source)
-        if source is not None and comm.get_world_size() > 1:
+        if source is not None and comm.get_world_size(_group()) > 1:
             with torch.no_grad():
                 for param in self._persistent:
-                    comm.broadcast(param.data, source)
+                    comm.broadcast(param.data, _global(source), group=_group())
         self._placeholders, self._shards, self._persistent = [], [], []
 
 
@@ -111,12 +112,24 @@ def end_whole_view(param: torch.nn.Parameter, source: int | None) -> None:
     from torch.distributed.tensor import distribute_tensor
     with torch.no_grad():
         whole = whole.detach().to(param.device).contiguous()
-        if comm.get_world_size() > 1:
-            comm.broadcast(whole, source)
+        if comm.get_world_size(_group()) > 1:
+            comm.broadcast(whole, _global(source), group=_group())
         mine = distribute_tensor(whole.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(mine.to_local())
         for master in _masters_of(param):
             master.copy_(param)
+
+
+def _group():
+    """The group a parameter is partitioned over: the world, or under AutoTP the data-parallel group (its ranks hold
+    the same TP slice); `modifier_rank` is a rank of it, as DeepSpeed's (a data-parallel rank)."""
+    from crew.runtime import parallel
+    return parallel.data_parallel_group()
+
+
+def _global(source: int) -> int:
+    group = _group()
+    return source if group is None else torch.distributed.get_global_rank(group, source)
 
 
 def _full_tensor(param) -> torch.Tensor:
