@@ -122,6 +122,57 @@ def train_sp(rank: int, stage: int, sp: int, variable: bool = True) -> dict:
             "grad_norm": sum(g.norm().item() for g in expected["grads"].values())}
 
 
+def sp_resume(rank: int, stage: int, sp: int, folder: str) -> dict:
+    """Two Adam steps under SP straight, against one step, save_checkpoint, a fresh engine's load_checkpoint and the
+    second step: the weights after must be the same, bit for bit, as must the loaded step count and client state."""
+    import crew
+    from crew.deepspeed.utils import safe_get_full_fp32_param
+    from crew.runtime.ulysses import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    crew.init_distributed("gloo")
+    world = torch.distributed.get_world_size()
+    data = samples(2 * world)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "sequence_parallel_size": sp}
+
+    def engine_for():
+        model = tiny_llama()
+        mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=SEQ)
+        engine, *_ = crew.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+        return engine, mpu
+
+    def step(engine, mpu, index):
+        ids = data[index * world + rank]
+        loader = UlyssesSPDataLoaderAdapter(
+            ListLoader([{"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(SEQ)[None]}]),
+            sp_rank=mpu.get_sequence_parallel_rank(), sp_group=mpu.get_sequence_parallel_group(),
+            sp_world_size=sp, device="cpu")
+        batch = next(iter(loader))
+        batch["labels"] = batch["shift_labels"]
+        engine.backward(sp_loss(batch, engine(**batch), mpu.get_sequence_parallel_group()))
+        engine.step()
+
+    def weights(engine):
+        return {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
+
+    try:
+        straight, mpu = engine_for()
+        step(straight, mpu, 0)
+        straight.save_checkpoint(folder, client_state={"seen": 1})
+        step(straight, mpu, 1)
+        expected = weights(straight)
+        restore_sdpa()
+        resumed, mpu = engine_for()
+        path, client_state = resumed.load_checkpoint(folder)
+        loaded_step = resumed.global_steps
+        step(resumed, mpu, 1)
+        got = weights(resumed)
+    finally:
+        restore_sdpa()
+    moved = max((expected[n] - tiny_llama().state_dict()[n]).abs().max().item() for n in expected)
+    return {"differ": [n for n in expected if not torch.equal(expected[n], got[n])], "moved": moved,
+            "client_state": client_state, "loaded_step": loaded_step, "path": path}
+
+
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected).norm() / expected.norm().clamp(min=1e-12)).item()
 
@@ -241,9 +292,11 @@ def two_ranks():
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
+def four_ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sp_resume")
     return run_parts({"sp 2 stage 2": (train_sp, 2, 2), "sp 4 stage 1": (train_sp, 1, 4),
-                      "sp 3": (indivisible,)}, 4)
+                      "sp 3": (indivisible,), "resume stage 2": (sp_resume, 2, 2, str(folder / "stage2")),
+                      "resume stage 3": (sp_resume, 3, 2, str(folder / "stage3"))}, 4)
 
 
 def assert_equals_one_process(results: list[dict]) -> None:
@@ -267,6 +320,16 @@ def test_four_ranks_equal_one_process(four_ranks, part, layout):
     results = four_ranks[part]
     assert_equals_one_process(results)
     assert results[0]["layout"] == layout
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sp2_dp2_resumes_from_a_checkpoint_bit_for_bit(four_ranks, stage):
+    """ZeRO's shards are over all 4 ranks (DeepSpeed's sequence-data-parallel group), the batch over 2."""
+    for result in four_ranks[f"resume stage {stage}"]:
+        assert result["moved"] > 1e-3  # the steps changed the weights being compared
+        assert result["differ"] == []
+        assert result["loaded_step"] == 1 and result["client_state"] == {"seen": 1}
+        assert result["path"].endswith("global_step1")
 
 
 def test_comm_calls_of_ulysses_code(two_ranks):
