@@ -33,7 +33,8 @@ def tiny(kind: str = "llama", **overrides):
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-                             "phi3": ("Phi3Config", "Phi3ForCausalLM")}[kind]
+                             "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+                             "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM")}[kind]
     config = getattr(transformers, config_cls)(**sizes)
     return getattr(transformers, model_cls)(config)
 
@@ -132,6 +133,37 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
             == {id(p) for p in engine.module.parameters()}, "config_kept": "tensor_parallel" in cfg}
 
 
+def by_specs(rank: int, kind: str, section: dict, sizes: dict, stage: int = 0) -> dict:
+    """TP 2 split by layer specs (the section's preset_model / partition_config, or the model's tp_plan): STEPS steps
+    against one process; each parameter's shape, and whether gate_up_proj holds its half of gate and of up."""
+    import crew.deepspeed as deepspeed
+    reset()
+    deepspeed.init_distributed("gloo")
+    model = tiny(kind, **sizes)
+    initial = {name: value.clone() for name, value in model.state_dict().items()}
+    data = samples(STEPS)
+    ref = reference(model, data, 1)
+    cfg = config(2, stage=stage, zero=SHARD_ALL if stage == 3 else None, gradient_clipping=0.0) | {
+        "tensor_parallel": {"autotp_size": 2, **section}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    fused = "model.layers.0.mlp.gate_up_proj.weight"
+    halves = None
+    if fused in initial and stage == 0:  # DeepSpeed's sub-parameter rule, replayed: [gate; up] -> [gate's half r;
+        mine = [part.chunk(2)[rank] for part in initial[fused].chunk(2)]  # up's half r]
+        halves = torch.equal(dict(engine.module.named_parameters())[fused], torch.cat(mine))
+    errors = []
+    for step in range(STEPS):
+        x = data[step]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        errors.append(abs(loss.item() - ref["losses"][step][0]))
+    shapes = {name: (tuple(p.shape), tuple(ref["state"][name].shape)) for name, p in engine.module.named_parameters()}
+    result = {"loss": max(errors), "weights": differences(engine, ref["state"]), "shapes": shapes, "halves": halves}
+    reset()
+    return result
+
+
 def errors(rank: int) -> dict:
     """Each bad set-up's message (the same on both ranks), or None where it did not fail."""
     import crew.deepspeed as deepspeed
@@ -154,7 +186,8 @@ def errors(rank: int) -> dict:
     attempt("unknown", torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)), config(2))
     attempt("mics", tiny(), config(2, stage=3, zero={"mics_shard_size": 1}))
     attempt("with_sp", tiny(), config(2), before=lambda: parallel.init_sequence_parallel(2))
-    attempt("partition_config", tiny(), config(2) | {"tensor_parallel": {"autotp_size": 2, "partition_config": {}}})
+    attempt("partition_config", tiny(), config(2) | {"tensor_parallel": {
+        "autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": [".*"], "shape": [3, -1]}]}}})
     attempt("typo", tiny(), config(2) | {"tensor_parallel": {"autotp_size": 2, "tp_overlap": True}})
     attempt("fused", tiny("phi3", pad_token_id=0), config(2))
     model = tiny()
@@ -216,6 +249,21 @@ TWO = {"llama": (train, 0), "clipped": (train, 0, 2, 1.0), "client": (train, 0, 
                        {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
        # dp 1: FSDP2 over one rank; Qwen3's q_norm / k_norm (hooked: summed over TP) stay whole, the rest sharded
        "stage3_qwen3": (train, 3, 2, 0.0, "qwen3", False, 1, None, SHARD_ALL)}
+# layer specs: Phi-3's fused gate_up_proj as two sub-parameters (attention whole, as DeepSpeed needs for Phi-3);
+# GPT-NeoX by its Hugging Face tp_plan (fused query_key_value by column); Qwen3 by preset "qwen2" with a spec in
+# front of it for lm_head (q_norm / k_norm gradients summed: DeepSpeed's preset leaves them to drift apart)
+PHI3_MLP = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*\.self_attn\..*"], "partition_type": "skip"},
+    {"patterns": [r".*\.mlp\.down_proj\.weight$"], "partition_type": "row"},
+    {"patterns": [r".*\.mlp\.gate_up_proj\.weight$"], "partition_type": "column", "shape": [2, -1],
+     "partition_dim": 0}]}
+HEAD = {"layer_specs": [{"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True}]}
+TWO.update({"phi3_fused_mlp": (by_specs, "phi3", {"partition_config": PHI3_MLP},
+                               {"num_key_value_heads": 4, "pad_token_id": 0}),
+            "phi3_fused_mlp_stage3": (by_specs, "phi3", {"partition_config": PHI3_MLP},
+                                      {"num_key_value_heads": 4, "pad_token_id": 0}, 3),
+            "gpt_neox_tp_plan": (by_specs, "gpt_neox", {}, {}),
+            "qwen3_preset_merged": (by_specs, "qwen3", {"preset_model": "qwen2", "partition_config": HEAD}, {})})
 # stage 0: DDP over the dp group; stage 1 accumulating 2 micro steps, stage 2 clipping (its norm over dp and tp)
 FOUR = {"stage0": (train, 0), "stage1_accumulating_clipped": (train, 1, 2, 1.0, "llama", False, 2),
         "stage2_clipped": (train, 2, 2, 1.0),
@@ -295,10 +343,10 @@ def test_tp2_dp2_zero_trains_as_one_process(four, part):
     ("unknown", ["AutoTP does not know", "Sequential", "'0' (Linear)"]),
     ("mics", ["zero_optimization.mics_shard_size with tensor_parallel.autotp_size"]),
     ("with_sp", ["one of Ulysses sequence parallelism and AutoTP"]),
-    ("partition_config", ["tensor_parallel.partition_config"]),
+    ("partition_config", ["tensor_parallel.partition_config", "'model.embed_tokens' (Embedding", "\"skip\""]),
     ("typo", ["tensor_parallel.tp_overlap", "Did you mean 'tp_overlap_comm'?"]),
     ("inputs", ["Data inconsistency within the TP group", "ranks [0, 1]"]),
-    ("fused", ["model.layers.0.self_attn' (Phi3Attention)", "'qkv_proj'"]),
+    ("fused", ["Phi3ForCausalLM's Hugging Face tp_plan uses ['rowwise_split_input']", "partition_config"]),
     ("conflict", ["tensor_parallel.autotp_size in config (1) and tp_model_init (2)"]),
 ])
 def test_bad_set_ups_fail_with_a_clear_message(two, name, words):
@@ -311,3 +359,30 @@ def test_the_loader_gives_a_tp_group_the_same_samples(two):
     assert len(first) == 2 and all(torch.equal(a, b) for a, b in zip(first, second))
     assert loss_first == loss_second
 
+
+@pytest.mark.parametrize("part", ["phi3_fused_mlp", "phi3_fused_mlp_stage3", "gpt_neox_tp_plan",
+                                  "qwen3_preset_merged"])
+def test_a_split_by_layer_specs_trains_as_one_process(two, part):
+    for result in two[part]:
+        assert result["loss"] < TOL and result["weights"] < TOL, result
+
+
+def test_layer_specs_split_what_deepspeed_splits(two):
+    """The shapes DeepSpeed 0.19.8 gives each rank (its checkpoints of the same models, tensor_parallel_data/)."""
+    phi3, neox, qwen3 = (two[part][0]["shapes"] for part in ("phi3_fused_mlp", "gpt_neox_tp_plan",
+                                                              "qwen3_preset_merged"))
+    assert phi3["model.layers.0.mlp.gate_up_proj.weight"] == ((128, 64), (256, 64))
+    assert phi3["model.layers.0.mlp.down_proj.weight"] == ((64, 64), (64, 128))
+    assert all(mine == whole for name, (mine, whole) in phi3.items() if "self_attn" in name or "lm_head" in name)
+    assert [result["halves"] for result in two["phi3_fused_mlp"]] == [True, True]
+    layer = "gpt_neox.layers.0."
+    assert neox[layer + "attention.query_key_value.weight"] == ((96, 64), (192, 64))
+    assert neox[layer + "attention.query_key_value.bias"] == ((96,), (192,))
+    assert neox[layer + "attention.dense.weight"] == ((64, 32), (64, 64))
+    assert neox[layer + "attention.dense.bias"] == ((64,), (64,))  # row: whole, added once
+    assert neox["lm_head.weight"] == ((64, 64), (128, 64)) and neox["gpt_neox.embed_in.weight"][0] == (128, 64)
+    assert qwen3["lm_head.weight"] == ((64, 64), (128, 64))  # the spec in front of the preset
+    mine, whole = qwen3["model.layers.0.self_attn.q_proj.weight"]
+    assert mine == (whole[0] // 2, whole[1])
+    norm = qwen3["model.layers.0.self_attn.q_norm.weight"]
+    assert norm[0] == norm[1]  # whole, its gradient summed over the TP group (else the weights above would differ)

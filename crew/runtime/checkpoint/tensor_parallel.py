@@ -17,8 +17,10 @@ sharded weights under the model's own names (a column-parallel q_proj [out / N, 
 
 Loading at the saved TP size reads this rank's mp files. At another size (1 included) every rank reads all of them,
 joins each sharded tensor (weights and per-element optimizer state) along its dim and cuts its own slice. A
-DeepSpeed-written tag says the dims in its universal_checkpoint_info. Whole weights (save_16bit_model,
-_consolidated_16bit_state_dict) are gathered over the TP group; rank 0 keeps them.
+DeepSpeed-written tag says the dims in its universal_checkpoint_info. A fused weight split as sub-parameters
+(tensor_parallel/subparams.py: each rank its share of each) is joined sub-parameter by sub-parameter: crew_state.pt
+records its Layout in place of the dim, DeepSpeed's parameter_with_sub_params its shape. Whole weights
+(save_16bit_model, _consolidated_16bit_state_dict) are gathered over the TP group; rank 0 keeps them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from crew.runtime.checkpoint.layout import CheckpointError
 
 MODEL_FILE = "mp_rank_{mp:02d}_model_states.pt"
 TP_DIM = "crew_tp_dim"  # crew/runtime/tensor_parallel/layers.py: the dim a sharded parameter is split along
+TP_LAYOUT = "crew_tp_layout"  # and, for a fused weight, its sub-parameter Layout
 
 
 def size() -> int:
@@ -61,10 +64,14 @@ def parallel_keys(engine) -> dict:
             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": tp}}
 
 
-def dims(module: torch.nn.Module) -> dict[str, int]:
-    """{parameter name: the dim it is split along}, of the sharded parameters."""
-    return {name: getattr(param, TP_DIM) for name, param in module.named_parameters()
-            if getattr(param, TP_DIM, None) is not None}
+def dims(module: torch.nn.Module) -> dict[str, int | dict]:
+    """{parameter name: the dim it is split along, or its sub-parameter Layout as a dict}, of the sharded ones."""
+    return {name: _layout(param).as_dict() if _layout(param) is not None else getattr(param, TP_DIM)
+            for name, param in module.named_parameters() if getattr(param, TP_DIM, None) is not None}
+
+
+def _layout(param: torch.Tensor):
+    return getattr(param, TP_LAYOUT, None)
 
 
 def universal_info(module: torch.nn.Module) -> dict:
@@ -75,10 +82,14 @@ def universal_info(module: torch.nn.Module) -> dict:
     output = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     vocabulary = {id(output.weight)} if isinstance(getattr(output, "weight", None), torch.Tensor) else set()
     kinds: dict[str, list] = {"row": [], "replicated": [], "vocabulary": []}
-    params, vocab_size = {}, None
+    params, vocab_size, fused, widths = {}, None, [], {}
     for name, param in module.named_parameters():
         pattern = rf"^{re.escape(name)}$"
         dim = getattr(param, TP_DIM, None)
+        layout = _layout(param)
+        if layout is not None:
+            fused.append({"patterns": [pattern], "shape": layout.deepspeed_shape(), "partition_dim": layout.dim})
+            widths[pattern] = [[size // tp] * tp for size in layout.sizes]
         if dim is None:
             kinds["replicated"].append(pattern)
         elif dim == 1:
@@ -86,30 +97,27 @@ def universal_info(module: torch.nn.Module) -> dict:
         elif id(param) in vocabulary:
             kinds["vocabulary"].append(pattern)
             vocab_size = param.shape[0] * tp
-        params[pattern] = _affine(tuple(param.shape), dim, tp)
+        params[pattern] = _affine(tuple(param.shape), dim, tp) if layout is None else _fused_affine(layout, tp)
     ordered = dict(sorted(params.items(), key=lambda item: item[0] in kinds["replicated"]))  # as DeepSpeed's
-    return {"universal_checkpoint_version": 0.4, "parameter_with_row_parallelism_patterns": sorted(kinds["row"]),
+    info = {"universal_checkpoint_version": 0.4, "parameter_with_row_parallelism_patterns": sorted(kinds["row"]),
             "tp_replicated_parameter_patterns": sorted(kinds["replicated"]),
-            "vocabulary_parameter_patterns": sorted(kinds["vocabulary"]), "parameter_with_sub_params": [],
-            "autotp_unsupported_parameter_patterns": {}, "original_vocab_size": vocab_size,
-            "affine_map": {"version": 1, "params": ordered}}
+            "vocabulary_parameter_patterns": sorted(kinds["vocabulary"]), "parameter_with_sub_params": fused,
+            "autotp_unsupported_parameter_patterns": {}}
+    if widths:
+        info["sub_param_shard_widths"] = widths
+    if vocab_size is not None:
+        info["original_vocab_size"] = vocab_size
+    return {**info, "affine_map": {"version": 1, "params": ordered}}
 
 
 def _affine(local: tuple, dim: int | None, tp: int) -> dict:
     """One parameter's affine map: each TP rank's slice as a piece at an offset of the whole, contiguous tensor."""
     whole = list(local) if dim is None else [n * tp if i == dim else n for i, n in enumerate(local)]
-
-    def strides(shape):
-        out = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            out[i] = out[i + 1] * shape[i + 1]
-        return out
-
     ranks = {}
     for index in range(tp):
-        offset = 0 if dim is None else index * local[dim] * strides(whole)[dim]
+        offset = 0 if dim is None else index * local[dim] * _strides(whole)[dim]
         ranks[index] = {"shard_shape": list(local), "pieces": [{
-            "shape": list(local), "source": [offset, strides(whole)], "dest": [0, strides(list(local))],
+            "shape": list(local), "source": [offset, _strides(whole)], "dest": [0, _strides(list(local))],
             "locations": list(range(tp)) if dim is None else [index]}]}
     return {"logical_shape": whole, "ranks": ranks}
 
@@ -118,6 +126,31 @@ def zero3_ranks() -> tuple[int, int]:
     """Stage 3's (R, t) of zero_pp_rank_<R>_mp_rank_<t>: the global rank and 0, or under AutoTP the data-parallel
     and TP ranks (DeepSpeed's names for stage 3 + TP)."""
     return (data_parallel_rank(), rank()) if size() > 1 else (dist.get_rank(), 0)
+
+
+def _strides(shape) -> list[int]:
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * shape[i + 1]
+    return out
+
+
+def _fused_affine(layout, tp: int) -> dict:
+    """A sub-parameter weight's affine map: each rank's slice as one piece per sub-parameter, in the logical view
+    (the weight's own shape for a 2-D `shape` such as [2, -1], as DeepSpeed's _derive_affine_map)."""
+    whole, dim = list(layout.logical), layout.dim
+    local = [n // tp if i == dim else n for i, n in enumerate(whole)]
+    ranks = {}
+    for index in range(tp):
+        pieces, start, placed = [], 0, 0
+        for size in layout.sizes:
+            width = size // tp
+            pieces.append({"shape": [width if i == dim else n for i, n in enumerate(whole)],
+                           "source": [(start + index * width) * _strides(whole)[dim], _strides(whole)],
+                           "dest": [placed * _strides(local)[dim], _strides(local)], "locations": [index]})
+            start, placed = start + size, placed + width
+        ranks[index] = {"shard_shape": list(layout.local_shape(tp)), "pieces": pieces}
+    return {"logical_shape": list(layout.whole), "ranks": ranks}
 
 
 def check_save(engine, shared: bool, what: str) -> None:
@@ -165,8 +198,27 @@ def deepspeed_dims(model: dict) -> dict[str, int] | None:
     row = [re.compile(p) for p in info.get("parameter_with_row_parallelism_patterns") or []]
     replicated = [re.compile(p) for p in info.get("tp_replicated_parameter_patterns") or []]
     params = set(model["module"]) - set(model.get("buffer_names") or [])
-    return {name: 1 if any(p.match(name) for p in row) else 0 for name in params
-            if not any(p.match(name) for p in replicated)}
+    split = {name: 1 if any(p.match(name) for p in row) else 0 for name in params
+             if not any(p.match(name) for p in replicated)}
+    return {**split, **_deepspeed_layouts(info, params)}
+
+
+def _deepspeed_layouts(info: dict, params: set[str]) -> dict[str, dict]:
+    """{name: Layout dict} of the sub-parameter weights in a DeepSpeed universal_checkpoint_info; the whole shape
+    from its affine map."""
+    from crew.runtime.tensor_parallel.subparams import from_deepspeed
+    shapes = {pattern: entry["logical_shape"] for pattern, entry in
+              ((info.get("affine_map") or {}).get("params") or {}).items()}
+    found = {}
+    for entry in info.get("parameter_with_sub_params") or []:
+        for pattern in entry.get("patterns") or []:
+            for name in (n for n in params if re.match(pattern, n)):
+                whole = tuple(shapes.get(pattern) or ())
+                if not whole:
+                    raise CheckpointError(f"universal_checkpoint_info gives '{name}' sub-parameters "
+                                          f"({entry.get('shape')}) but no logical_shape in its affine_map")
+                found[name] = from_deepspeed(entry["shape"], entry["partition_dim"], whole, name).as_dict()
+    return found
 
 
 def mismatch(folder: Path, saved: int, why: str) -> CheckpointError:
@@ -177,11 +229,18 @@ def mismatch(folder: Path, saved: int, why: str) -> CheckpointError:
         f"(`crew export {folder} model.pt`) into the model before deepspeed.initialize.")
 
 
-def join(parts: list[dict], split: dict[str, int]) -> dict:
-    """Each TP rank's {name: tensor} -> whole tensors: a sharded one concatenated along its dim, the others from
-    TP rank 0."""
-    return {name: torch.cat([part[name] for part in parts], dim=split[name]) if name in split else value
+def join(parts: list[dict], split: dict[str, int | dict]) -> dict:
+    """Each TP rank's {name: tensor} -> whole tensors: a sharded one concatenated along its dim (or joined by its
+    Layout), the others from TP rank 0."""
+    return {name: _joined([part[name] for part in parts], split[name]) if name in split else value
             for name, value in parts[0].items()}
+
+
+def _joined(tensors: list[torch.Tensor], how: int | dict) -> torch.Tensor:
+    if isinstance(how, dict):
+        from crew.runtime.tensor_parallel.subparams import Layout
+        return Layout.from_dict(how).join(tensors)
+    return torch.cat(tensors, dim=how)
 
 
 def join_optimizer(parts: list[dict], modules: list[dict], split: dict[str, int]) -> dict:
@@ -190,7 +249,7 @@ def join_optimizer(parts: list[dict], modules: list[dict], split: dict[str, int]
     def per_element(name, value):
         return name in split and isinstance(value, torch.Tensor) and value.shape == modules[0][name].shape
 
-    return {name: {key: torch.cat([part[name][key] for part in parts], dim=split[name])
+    return {name: {key: _joined([part[name][key] for part in parts], split[name])
                    if per_element(name, value) else value for key, value in entry.items()}
             for name, entry in parts[0].items()}
 
@@ -204,6 +263,9 @@ def cut(whole: dict, module: torch.nn.Module, optimizer: bool = False) -> dict:
         dim = getattr(params.get(name), TP_DIM, None)
         if dim is None or not isinstance(value, torch.Tensor) or value.dim() <= dim:
             return value
+        layout = _layout(params[name])
+        if layout is not None:
+            return local_slice(value, params[name]) if tuple(value.shape) == layout.whole else value
         if value.shape[dim] != params[name].shape[dim] * size():
             return value  # not the parameter's shape (a scalar's twin): as saved
         return local_slice(value, params[name])

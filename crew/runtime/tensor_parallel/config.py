@@ -1,10 +1,10 @@
 """The DS config's `tensor_parallel` section (DeepSpeed 0.19.8's TPTrainingConfig): keys, defaults, checks.
 
 Implemented: autotp_size (0 or 1: off), tp.tp_size (must equal autotp_size), dtype (checked against
-tp_model_init's; the precision itself comes from bf16 / fp16, as in DeepSpeed), preset_model "llama" / "qwen2"
-(what crew's AutoTP does anyway). Accepted with no effect: tp_overlap_comm, tp.tp_grain_size, keep_module_on_host,
-injection_policy_tuple. Refused (they change what is split, which crew does not do): partition_config, other
-presets, vocab_parallel_lm_head true, vocab_parallel_ce_backend "liger", kernel_inject true.
+tp_model_init's; the precision itself comes from bf16 / fp16, as in DeepSpeed), partition_config and preset_model
+(every DeepSpeed preset; specs.py, checked here). Accepted with no effect: tp_overlap_comm, tp.tp_grain_size,
+keep_module_on_host, injection_policy_tuple. Refused: vocab_parallel_lm_head true, vocab_parallel_ce_backend
+"liger", kernel_inject true.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from crew.errors import ConfigError
+from crew.runtime.tensor_parallel import specs
 
 SECTION = "tensor_parallel"
 _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
-PRESETS = ("llama", "qwen2")  # the decoders crew's AutoTP splits; DeepSpeed's other presets are refused
-_DS_PRESETS = ("bloom", "chatglm", "mixtral", "deepseek_v2", "phi3")
+PRESETS = tuple(specs.PRESETS)  # DeepSpeed 0.19.8's AutoTPPresets
 
 
 class TPConfig(BaseModel):
@@ -92,15 +92,7 @@ def _refuse_unsupported(section: TPTrainingConfig, source: str) -> None:
     if section.tensor_parallel.tp_size not in (1, size) and size > 1:
         raise ConfigError(f"{where}.tp.tp_size ({section.tensor_parallel.tp_size}) does not match "
                           f"{SECTION}.autotp_size ({size}); drop tp.tp_size or set it to {size}.")
-    if section.partition_config is not None:
-        raise ConfigError(f"{where}.partition_config: custom layer partitioning rules are not supported by crew; "
-                          "crew's AutoTP splits LLaMA/Qwen2/Qwen3/Mistral-style decoders (q/k/v/gate/up by "
-                          "column, o/down by row). Remove partition_config.")
-    preset = section.preset_model
-    if preset is not None and preset.lower() not in PRESETS:
-        known = "a DeepSpeed preset crew does not implement" if preset.lower() in _DS_PRESETS else "unknown"
-        raise ConfigError(f"{where}.preset_model = {preset!r}: {known}; crew supports {list(PRESETS)} (or leave it "
-                          "out: crew recognises LLaMA-style decoders itself).")
+    specs.resolve(section.preset_model, section.partition_config, source)  # its errors name the key
     if section.vocab_parallel_lm_head:
         raise ConfigError(f"{where}.vocab_parallel_lm_head = true: a vocabulary-parallel head with a distributed "
                           "loss is not supported by crew; remove it (crew splits lm_head by column and gathers "

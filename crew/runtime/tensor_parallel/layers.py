@@ -11,7 +11,8 @@ torch optimizer see plain tensors. The TP collectives are autograd Functions (Me
 For checkpoints: a sharded parameter carries `crew_tp_dim`, the dimension of the whole weight it is split
 along (0: column, 1: row); replicated parameters have no such attribute. `gather_full(param)` rebuilds the
 whole weight (a collective over the TP group), `local_slice(whole, param)` cuts this rank's slice from a whole
-tensor. Module attribute names stay `weight` / `bias`, so state_dict() keys are the model's own.
+tensor. Module attribute names stay `weight` / `bias`, so state_dict() keys are the model's own. A fused weight
+split as sub-parameters (a layer spec's `shape`, subparams.py) also carries `crew_tp_layout`, its Layout.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 from crew.runtime import parallel
+from crew.runtime.tensor_parallel.subparams import Layout
 
 TP_DIM = "crew_tp_dim"
+TP_LAYOUT = "crew_tp_layout"
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -69,28 +72,36 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 
-def _shard(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _shard(tensor: torch.Tensor, dim: int, group, layout: Layout | None = None) -> torch.Tensor:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if layout is not None:
+        return layout.cut(tensor, size, rank)
     return tensor.detach().chunk(size, dim=dim)[rank].clone()
 
 
-def _mark(param: torch.nn.Parameter, dim: int, source: torch.nn.Parameter) -> torch.nn.Parameter:
+def _split(source: torch.nn.Parameter, dim: int, group, layout: Layout | None = None) -> torch.nn.Parameter:
+    """This rank's slice of `source` as a new parameter, marked with the dim (and layout) it was cut along."""
+    param = torch.nn.Parameter(_shard(source, dim, group, layout), requires_grad=source.requires_grad)
     setattr(param, TP_DIM, dim)
-    param.requires_grad_(source.requires_grad)
+    if layout is not None:
+        setattr(param, TP_LAYOUT, layout)
     return param
 
 
 class LinearLayer(torch.nn.Module):
     """Column-parallel nn.Linear: this rank's rows of the weight (and bias)."""
 
-    def __init__(self, linear: torch.nn.Linear, group, gather_output: bool = False, name: str | None = None):
+    def __init__(self, linear: torch.nn.Linear, group, gather_output: bool = False, name: str | None = None,
+                 layout: Layout | None = None, bias_layout: Layout | None = None):
         super().__init__()
         self.mp_group, self.name, self.gather_output = group, name, gather_output
         self.tp_world_size = dist.get_world_size(group)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = _mark(torch.nn.Parameter(_shard(linear.weight, 0, group)), 0, linear.weight)
-        self.bias = None if linear.bias is None else \
-            _mark(torch.nn.Parameter(_shard(linear.bias, 0, group)), 0, linear.bias)
+        self.weight = _split(linear.weight, 0, group, layout)
+        if linear.bias is None or (layout is not None and bias_layout is None):  # whole: cut on the input dim
+            self.bias = linear.bias
+        else:
+            self.bias = _split(linear.bias, 0, group, bias_layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.nn.functional.linear(_CopyToTP.apply(x, self.mp_group), self.weight, self.bias)
@@ -105,12 +116,12 @@ class LinearAllreduce(torch.nn.Module):
     """Row-parallel nn.Linear: this rank's columns of the weight; the bias stays whole (added once, after
     the all-reduce)."""
 
-    def __init__(self, linear: torch.nn.Linear, group, name: str | None = None):
+    def __init__(self, linear: torch.nn.Linear, group, name: str | None = None, layout: Layout | None = None):
         super().__init__()
         self.mp_group, self.name = group, name
         self.tp_world_size = dist.get_world_size(group)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = _mark(torch.nn.Parameter(_shard(linear.weight, 1, group)), 1, linear.weight)
+        self.weight = _split(linear.weight, 1, group, layout)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(),
                                                                         requires_grad=linear.bias.requires_grad)
 
@@ -138,7 +149,8 @@ def gather_full(param: torch.Tensor, group=None) -> torch.Tensor:
     group = group if group is not None else parallel.tensor_parallel_group()
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    layout = getattr(param, TP_LAYOUT, None)
+    return layout.join(parts) if layout is not None else torch.cat(parts, dim=dim)
 
 
 def local_slice(whole: torch.Tensor, param: torch.Tensor, group=None) -> torch.Tensor:
@@ -149,6 +161,9 @@ def local_slice(whole: torch.Tensor, param: torch.Tensor, group=None) -> torch.T
         return whole
     group = group if group is not None else parallel.tensor_parallel_group()
     size = dist.get_world_size(group)
+    layout = getattr(param, TP_LAYOUT, None)
+    if layout is not None:
+        return _shard(whole, dim, group, layout)
     if whole.shape[dim] % size:
         raise ValueError(f"a whole tensor of shape {tuple(whole.shape)} does not split in {size} equal parts "
                          f"along dim {dim} (the tensor-parallel size)")

@@ -89,10 +89,10 @@ def apply(model: torch.nn.Module, section: TPTrainingConfig) -> dict[int, torch.
     if getattr(model, "ds_autotp_parsed", False):  # split by an earlier engine (Lightning's fit, then test)
         return {}
     _refuse_placeholders(model, size)
-    autotp.check_model(model, size)
+    autotp.check_model(model, size, section)
     group = parallel.tensor_parallel_group()
     _broadcast_whole(model, group)
-    replaced = autotp.replace(model, group, size)
+    replaced = autotp.replace(model, group, size, section)
     _arm_input_check(model, group)
     return replaced
 

@@ -30,7 +30,7 @@ import torch
 
 from crew.errors import ConfigError, CrewError
 from crew.log import log_rank0
-from crew.runtime.tensor_parallel.layers import TP_DIM
+from crew.runtime.tensor_parallel.layers import TP_DIM, TP_LAYOUT
 from crew.runtime.zero import external, fetching, gather, persistence
 from crew.runtime.zero import partition_parameters as pp
 
@@ -68,7 +68,8 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
         for param in old:
             if id(param) not in kept_whole:
                 pp.forget(param)  # FSDP2 copied its shard: free the whole tensor, even if the caller holds it
-    tp_dims = {name: getattr(p, TP_DIM) for name, p in before if hasattr(p, TP_DIM)}
+    tp_marks = {name: {a: getattr(p, a) for a in (TP_DIM, TP_LAYOUT) if hasattr(p, a)} for name, p in before
+                if hasattr(p, TP_DIM)}
     current = dict(model.named_parameters(remove_duplicate=False))
     for name, param in current.items():
         if id(param) in kept_whole:
@@ -76,8 +77,8 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
             persistence.mark(param, ds_id if ds_id is not None else next(pp._next_id))
         else:
             _mark_partitioned(param, ds_ids.get(name), compute_dtype)
-        if name in tp_dims:  # an AutoTP slice, sharded here as any parameter: it stays one (gradient norm, saves)
-            setattr(param, TP_DIM, tp_dims[name])
+        for attribute, value in tp_marks.get(name, {}).items():  # an AutoTP slice (and a fused one's Layout),
+            setattr(param, attribute, value)  # sharded here as any parameter: it stays one (gradient norm, saves)
     if compute_dtype is not None:
         persistence.cast_in_forward(model, persistent, compute_dtype)
     _see_whole_outside_forward(model)

@@ -35,11 +35,11 @@ def _reset() -> None:
 SHARD_ALL = {"stage3_param_persistence_threshold": 0}  # stage 3: every parameter sharded, as in a large model
 
 
-def _engine(stage: int, precision: str, tp: int = 2):
+def _engine(stage: int, precision: str, tp: int = 2, case: str = "stage0_fp32"):
     import crew.deepspeed as deepspeed
     _reset()
-    model = made.make_model()
-    config = {**made.config(stage, precision), "tensor_parallel": {"autotp_size": tp}}
+    model = made.make_model(case)  # a Phi-3 or GPT-NeoX case: the split its DeepSpeed fixture was made with
+    config = {**made.config(stage, precision), "tensor_parallel": {"autotp_size": tp, **made.SECTIONS.get(case, {})}}
     if stage == 3:
         config["zero_optimization"] = {"stage": 3, **SHARD_ALL}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -72,15 +72,15 @@ def _shared_dir() -> Path:
     return Path(box[0])
 
 
-def resume(rank: int, stage: int, precision: str) -> dict:
+def resume(rank: int, stage: int, precision: str, case: str = "stage0_fp32") -> dict:
     """Save after 2 steps, 2 more (A); a fresh engine loads and trains the same 2 (B)."""
     folder = _shared_dir()
-    engine = _engine(stage, precision)
+    engine = _engine(stage, precision, case=case)
     _steps(engine, rank, 0, 2)
     engine.save_checkpoint(folder, tag="t2", client_state={"mine": 7})
     going_on = _steps(engine, rank, 2, 2)
     final = _whole(engine)
-    engine = _engine(stage, precision)
+    engine = _engine(stage, precision, case=case)
     path, client = engine.load_checkpoint(folder)
     resumed = _steps(engine, rank, 2, 2)
     same = all(torch.equal(final[name], value) for name, value in _whole(engine).items())
@@ -119,16 +119,16 @@ def whole_weights(rank: int, stage: int = 0) -> dict:
     return out
 
 
-def reshard(rank: int) -> dict:
+def reshard(rank: int, case: str = "stage0_fp32") -> dict:
     """A TP 2 checkpoint into TP 1 (2 data-parallel ranks): the whole weights and the next step's loss."""
     folder = _shared_dir()
-    engine = _engine(0, "fp32")
+    engine = _engine(0, "fp32", case=case)
     _steps(engine, rank, 0, 2)
     engine.save_checkpoint(folder, tag="t2")
     whole = _whole(engine)
     tokens = made.batch(0, 2)
     expected = engine(input_ids=tokens, labels=tokens).loss.item()
-    single = _engine(0, "fp32", tp=1)
+    single = _engine(0, "fp32", tp=1, case=case)
     single.load_checkpoint(folder)
     same = all(torch.equal(param.detach(), whole[name]) for name, param in single.module.named_parameters())
     loss = single(input_ids=tokens, labels=tokens).loss.item()
@@ -145,7 +145,7 @@ def deepspeeds(rank: int, case: str, tp: int = 2) -> dict:
     """Real DeepSpeed's AutoTP checkpoint into crew at its own layout (tp 2), or resharded to TP 1."""
     stage, precision, _ = made.CASES[case]
     expected = torch.load(DATA / case / "expected.pt", weights_only=True)
-    engine = _engine(stage, precision, tp)
+    engine = _engine(stage, precision, tp, case)
     _, client = engine.load_checkpoint(DATA / case)
     worst = max((value - expected["state_dict"][name].float()).abs().max().item()
                 for name, value in _whole(engine).items())
@@ -161,7 +161,13 @@ def two():
     return run_parts({"resume0": (resume, 0, "fp32"), "resume1": (resume, 1, "bf16"), "whole": (whole_weights,),
                       "reshard": (reshard,), "deepspeed0": (deepspeeds, "stage0_fp32"),
                       "deepspeed0_tp1": (deepspeeds, "stage0_fp32", 1),
-                      "deepspeed2_dp1": (deepspeeds, "stage2_fp32_dp2")}, world_size=2)
+                      "deepspeed2_dp1": (deepspeeds, "stage2_fp32_dp2"),
+                      # fused gate_up_proj as two sub-parameters (Phi-3), GPT-NeoX split by its tp_plan
+                      "resume_phi3": (resume, 0, "fp32", "phi3_partition_config"),
+                      "reshard_phi3": (reshard, "phi3_partition_config"),
+                      "deepspeed_phi3": (deepspeeds, "phi3_partition_config"),
+                      "deepspeed_phi3_tp1": (deepspeeds, "phi3_partition_config", 1),
+                      "deepspeed_neox": (deepspeeds, "gpt_neox_tp_plan")}, world_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +228,8 @@ def test_deepspeeds_autotp_checkpoint_exports_whole(tmp_path):
 
 
 @pytest.mark.parametrize("world,part", [(2, "deepspeed0"), (2, "deepspeed0_tp1"), (4, "deepspeed2"),
-                                        (2, "deepspeed2_dp1")])  # ZeRO 2 of TP 2 x DP 2 on TP 2 x DP 1
+                                        (2, "deepspeed2_dp1"), (2, "deepspeed_phi3"), (2, "deepspeed_phi3_tp1"),
+                                        (2, "deepspeed_neox")])  # ZeRO 2 of TP 2 x DP 2 on TP 2 x DP 1
 def test_deepspeeds_autotp_checkpoint_loads(two, four, world, part):
     for result in (two if world == 2 else four)[part]:
         assert result["worst"] == 0 and result["loss"] < 1e-5
@@ -263,3 +270,15 @@ def test_zero3_whole_weights_are_gathered_over_dp_and_tp(four):
     assert first["shapes"]["lm_head.weight"] == (32, 16)
     assert [r["flag"] for r in four["whole3"]] == [True] * 4
     assert [r["consolidated"] for r in four["whole3"]] == [True, False, False, False]
+
+
+def test_fused_sub_parameters_resume_and_reshard_in_deepspeeds_files(two):
+    """Phi-3's gate_up_proj split as [2, -1]: resume exact, TP 2 -> 1 joined sub-parameter by sub-parameter, and the
+    universal_checkpoint_info (sub-parameter shape, shard widths, affine map) DeepSpeed writes for the same split."""
+    for result in two["resume_phi3"]:
+        assert result["A"] == result["B"] and result["same"] and result["steps"] == 4
+    for result in two["reshard_phi3"]:
+        assert result["same"] and result["loss"] < 1e-5 and result["steps"] == 2
+    deepspeeds = torch.load(DATA / "phi3_partition_config" / "t2" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert two["resume_phi3"][0]["keys"]["universal"] == deepspeeds["universal_checkpoint_info"]
+    assert two["resume_phi3"][0]["shapes"]["model.layers.0.mlp.gate_up_proj.weight"] == (32, 16)
