@@ -4,7 +4,7 @@
 model in one process, without TP or DeepSpeed, on the batches the steps saw with the optimizer, schedule and
 clipping Trainer built from the config. Asserted: every step's loss and gradient norm equal that reference's,
 each rank holds its part of each split weight, and save_model writes the whole weights, which from_pretrained
-loads equal to the trained ones and to the reference's."""
+loads equal to the trained ones and to the reference's. At ZeRO stage 1 and 3."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ SCRIPT = REPO / "tests" / "hf" / "scripts" / "trainer_tp.py"
 RANKS = TP = 2
 
 
-def test_trainer_with_autotp_trains_as_one_process_and_saves_whole_weights(tmp_path):
-    run = crew("run", "--num_gpus", str(RANKS), "--as_deepspeed", str(SCRIPT), "--tp", str(TP), cwd=tmp_path,
-               timeout=300)
+@pytest.mark.parametrize("stage", [1, 3])  # 3: each TP slice sharded by FSDP2 (over one data-parallel rank here)
+def test_trainer_with_autotp_trains_as_one_process_and_saves_whole_weights(tmp_path, stage):
+    run = crew("run", "--num_gpus", str(RANKS), "--as_deepspeed", str(SCRIPT), "--tp", str(TP), "--stage", str(stage),
+               cwd=tmp_path, timeout=300)
     assert run.code == 0, run.err[-3000:]
     ranks = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(RANKS)]
     first = ranks[0]

@@ -23,7 +23,9 @@ parser.add_argument("--tp", type=int, default=2)
 parser.add_argument("--stage", type=int, default=1)
 args = parser.parse_args()
 
-config = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": args.stage},
+# stage 3: every parameter sharded (the tiny model's would all stay whole under the default persistence threshold)
+zero = {"stage": args.stage, **({"stage3_param_persistence_threshold": 0} if args.stage == 3 else {})}
+config = {"bf16": {"enabled": "auto"}, "zero_optimization": zero,
           "optimizer": {"type": "AdamW",
                         "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
@@ -97,6 +99,8 @@ if dist.get_rank() == 0:
         schedule.step()
         optimizer.zero_grad()
         replayed.append({"loss": out.loss.item(), "grad_norm": norm.item()})
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    unset_hf_deepspeed_config()  # stage 3: else from_pretrained builds under zero.Init, a collective rank 0 alone calls
     loaded = LlamaForCausalLM.from_pretrained("out/final", dtype=torch.float32).state_dict()
     final = {name: param.detach() for name, param in reference.named_parameters()}
     result.update(
