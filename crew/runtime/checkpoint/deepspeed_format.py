@@ -275,7 +275,7 @@ def read_fp32_module(folder: Path, position_groups: list[list[str]] | None = Non
     if saved == 1:
         tag = _Tag(folder)
         return module_state(tag, fp32_params(tag, position_groups))
-    split = split if split is not None else tensor_parallel.deepspeed_dims(read(folder / tensor_parallel.model_file(0)))
+    split = split if split is not None else tensor_parallel.deepspeed_dims(read(_first_model_file(folder)))
     if split is None:  # model parallel but not AutoTP's
         refuse_unsupported(folder)
     tags = [_Tag(folder, mp, tensor_parallel=True) for mp in range(saved)]
@@ -483,6 +483,12 @@ def client_state(model: dict, load_optimizer_states: bool, load_lr_scheduler_sta
     return client
 
 
+def _first_model_file(folder: Path) -> Path:
+    """TP rank 0's model states: mp_rank_00_model_states.pt, or at stage 3 its data-parallel rank 0's."""
+    plain = folder / MODEL_STATES
+    return plain if plain.is_file() else folder / ZERO3_MODEL_STATES.format(rank=0)
+
+
 def read_for_load(engine, folder: Path, states: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool,
                   module_only: bool) -> None:
     """Fill `states` as loading.py's readers do for crew's own checkpoints."""
@@ -509,7 +515,7 @@ def read_for_load(engine, folder: Path, states: dict, load_optimizer_states: boo
         return module_state(tag, params), _stage0_optimizer(tag, positions) if tag.stage == 0 else _zero_optimizer(tag)
 
     saved_tp = tensor_parallel.deepspeed_size(folder)
-    split = tensor_parallel.deepspeed_dims(read(folder / tensor_parallel.model_file(0))) if saved_tp > 1 else None
+    split = tensor_parallel.deepspeed_dims(read(_first_model_file(folder))) if saved_tp > 1 else None
     if saved_tp > 1 and split is None:  # model parallel but not AutoTP's (no universal_checkpoint_info)
         refuse_unsupported(folder)
     tag, module, by_name = tensor_parallel.read_tags(engine, folder, saved_tp, split, states_of, _Tag)

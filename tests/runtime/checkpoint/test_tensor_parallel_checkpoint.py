@@ -6,7 +6,8 @@ each TP rank's slices under Hugging Face's names); save_16bit_model writes the w
 transformers' from_pretrained loads; a checkpoint of TP 2 loads into TP 1 (resharded); real DeepSpeed's own
 AutoTP checkpoint (tensor_parallel_data/, make_fixtures.py) loads with DeepSpeed's weights and next loss, also at
 TP 1 and, for its ZeRO 2 one of 4 ranks, on 2.
-4 ranks (TP 2 x DP 2, ZeRO 2): the same resume, and DeepSpeed's ZeRO 2 checkpoint of that layout.
+4 ranks (TP 2 x DP 2, ZeRO 2 and 3): the same resume, and DeepSpeed's ZeRO 2 and ZeRO 3 checkpoints of that layout
+(make_zero3_fixture.py's too on TP 2 x DP 1); at ZeRO 3 the whole weights gathered over both dimensions.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ DATA = Path(__file__).parent / "tensor_parallel_data"
 _spec = importlib.util.spec_from_file_location("make_fixtures", DATA / "make_fixtures.py")
 made = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(made)
+made.CASES.setdefault("stage3_fp32_dp2", (3, "fp32", 4))  # DeepSpeed's ZeRO 3 + TP 2 x DP 2: make_zero3_fixture.py
 
 
 def _reset() -> None:
@@ -167,13 +169,15 @@ def two():
                       "reshard_phi3": (reshard, "phi3_partition_config"),
                       "deepspeed_phi3": (deepspeeds, "phi3_partition_config"),
                       "deepspeed_phi3_tp1": (deepspeeds, "phi3_partition_config", 1),
-                      "deepspeed_neox": (deepspeeds, "gpt_neox_tp_plan")}, world_size=2)
+                      "deepspeed_neox": (deepspeeds, "gpt_neox_tp_plan"),
+                      "deepspeed3_dp1": (deepspeeds, "stage3_fp32_dp2")}, world_size=2)
 
 
 @pytest.fixture(scope="module")
 def four():
     return run_parts({"resume2": (resume, 2, "fp32"), "deepspeed2": (deepspeeds, "stage2_fp32_dp2"),
-                      "resume3": (resume, 3, "bf16"), "whole3": (whole_weights, 3)}, world_size=4)
+                      "resume3": (resume, 3, "bf16"), "whole3": (whole_weights, 3),
+                      "deepspeed3": (deepspeeds, "stage3_fp32_dp2")}, world_size=4)
 
 
 @pytest.mark.parametrize("part", ["resume0", "resume1"])
@@ -229,7 +233,8 @@ def test_deepspeeds_autotp_checkpoint_exports_whole(tmp_path):
 
 @pytest.mark.parametrize("world,part", [(2, "deepspeed0"), (2, "deepspeed0_tp1"), (4, "deepspeed2"),
                                         (2, "deepspeed2_dp1"), (2, "deepspeed_phi3"), (2, "deepspeed_phi3_tp1"),
-                                        (2, "deepspeed_neox")])  # ZeRO 2 of TP 2 x DP 2 on TP 2 x DP 1
+                                        (2, "deepspeed_neox"),  # ZeRO 2 of TP 2 x DP 2 on TP 2 x DP 1
+                                        (4, "deepspeed3"), (2, "deepspeed3_dp1")])  # ZeRO 3 of TP 2 x DP 2
 def test_deepspeeds_autotp_checkpoint_loads(two, four, world, part):
     for result in (two if world == 2 else four)[part]:
         assert result["worst"] == 0 and result["loss"] < 1e-5
