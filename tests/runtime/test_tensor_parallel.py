@@ -204,6 +204,17 @@ def errors(rank: int) -> dict:
     return found
 
 
+def offloaded(rank: int) -> dict:
+    """Stage 3 with offload_optimizer and offload_param (FSDP2's CPUOffloadPolicy), taken on CPU ranks too."""
+    from crew.runtime import zero
+    zero.OFFLOAD_ON_CPU = True
+    offload = {"device": "cpu", "pin_memory": False}  # pinning needs a GPU
+    try:
+        return train(rank, 3, 2, 1.0, zero={**SHARD_ALL, "offload_optimizer": offload, "offload_param": offload})
+    finally:
+        zero.OFFLOAD_ON_CPU = False
+
+
 def modified(rank: int) -> dict:
     """Stage 3, TP 2 x DP 2: GatheredParameters(modifier_rank=1) keeps data-parallel rank 1's changes (DeepSpeed's
     meaning under TP: a rank of the parameter's data-parallel group), each TP slice within its own group."""
@@ -268,7 +279,8 @@ TWO.update({"phi3_fused_mlp": (by_specs, "phi3", {"partition_config": PHI3_MLP},
 FOUR = {"stage0": (train, 0), "stage1_accumulating_clipped": (train, 1, 2, 1.0, "llama", False, 2),
         "stage2_clipped": (train, 2, 2, 1.0),
         "stage3_clipped": (train, 3, 2, 1.0, "llama", False, 1, None, SHARD_ALL),
-        "stage3_whole_slices_accumulating": (train, 3, 2, 0.0, "llama", False, 2), "modified": (modified,)}
+        "stage3_whole_slices_accumulating": (train, 3, 2, 0.0, "llama", False, 2), "modified": (modified,),
+        "stage3_offloaded_clipped": (offloaded,)}
 
 
 @pytest.fixture(scope="module")
