@@ -100,7 +100,8 @@ def _tiny(kind: str, **sizes):
     import transformers
     config_cls, model_cls = {"phi3": ("Phi3Config", "Phi3ForCausalLM"), "mixtral": ("MixtralConfig",
                              "MixtralForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
-                             "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM")}[kind]
+                             "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+                             "falcon": ("FalconConfig", "FalconForCausalLM")}[kind]
     config = getattr(transformers, config_cls)(**{"vocab_size": 32, **sizes})
     return getattr(transformers, model_cls)(config)
 
@@ -114,7 +115,8 @@ PHI3 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_atten
                           "DeepSpeed 0.19.8", "partition_config.layer_specs"]),
     ("mixtral", dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
                      num_key_value_heads=2, num_local_experts=2), None, ["'moe_tp_experts'", "'packed_colwise'"]),
-    ("gpt2", dict(n_embd=16, n_layer=1, n_head=4), None, ["GPT2LMHeadModel", "partition_config", "preset_model"]),
+    ("gpt2", dict(n_embd=16, n_layer=1, n_head=4), None, ["GPT2LMHeadModel", "AutoTP not supported",
+                                                           "partition_config"]),
     ("phi3", PHI3, {"preset_model": "phi3"}, ["model.layers.0.self_attn.qkv_proj' (Linear",
                                               "Phi3Attention slices q, k and v", "skip"]),
     ("phi3", PHI3, {"partition_config": {"layer_specs": [{"patterns": [r".*embed_tokens\.weight$"]}]}},
@@ -149,3 +151,19 @@ def test_a_hugging_face_tp_plan_becomes_deepspeeds_specs():
                      "gpt_neox.layers.0.mlp.dense_h_to_4h": ("column", False),
                      "gpt_neox.layers.0.mlp.dense_4h_to_h": ("row", False), "lm_head": ("column", True)}
     assert autotp.partitioning(_tiny("phi3", **PHI3), parse({"autotp_size": 2, "preset_model": "phi3"})) is not None
+
+
+def test_deepspeeds_parser_splits_falcon_and_shrinks_its_head_counts():
+    """No tp_plan: DeepSpeed's heuristic (the linear before the norm and Falcon's self_attention.dense by row)."""
+    sizes = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=4, bias=True, tie_word_embeddings=False)
+    model = _tiny("falcon", multi_query=False, **sizes)
+    config = autotp.partitioning(model, parse({"autotp_size": 2}))
+    found = spec_split.targets(model, config)
+    assert {path: spec.partition_type for path, _, spec in found} == {
+        "transformer.h.0.self_attention.query_key_value": "column", "transformer.h.0.self_attention.dense": "row",
+        "transformer.h.0.mlp.dense_h_to_4h": "column", "transformer.h.0.mlp.dense_4h_to_h": "row"}
+    shrunk = spec_split.shrinkable(model, config, {path for path, _, _ in found})
+    assert ("transformer.h.0.self_attention", "num_heads", 4) in shrunk
+    assert not any(path in ("transformer", "transformer.h.0") for path, _, _ in shrunk)  # outside the layers' insides
+    with pytest.raises(ConfigError, match=r"'transformer.h.0.self_attention'.num_kv_heads \(1\)"):
+        autotp.check_model(_tiny("falcon", multi_query=True, **sizes), 2, parse({"autotp_size": 2}))

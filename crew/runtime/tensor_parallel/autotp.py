@@ -2,9 +2,8 @@
 
 What DeepSpeed 0.19.8 splits a model by, in training (runtime/engine.py _apply_autotp_partitioning), and crew too
 (`partitioning`): the config's preset_model / partition_config (specs.py); else the model's Hugging Face tp_plan
-(spec_split.py). crew keeps its split by name for the decoders whose names it knows (the same split as their
-tp_plan gives) and takes the tp_plan for other models. A model with neither is refused, as DeepSpeed's heuristic
-parser (fused query_key_value by the model's class name: Bloom, Falcon) is not crew's.
+(spec_split.py); else its heuristic parser (heuristic.py: Falcon). crew keeps its split by name for the decoders
+whose names it knows (the same split as their tp_plan gives) and takes the tp_plan, or the parser, for others.
 
 The split by name, as DeepSpeed's AutoTP (module_inject/auto_tp.py):
     q_proj k_proj v_proj gate_proj up_proj    LinearLayer (column)
@@ -22,7 +21,7 @@ import torch
 
 from crew.errors import ConfigError
 from crew.log import log_rank0
-from crew.runtime.tensor_parallel import spec_split, specs
+from crew.runtime.tensor_parallel import heuristic, spec_split, specs
 from crew.runtime.tensor_parallel.layers import LinearAllreduce, LinearLayer
 
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
@@ -40,8 +39,10 @@ def partitioning(model: torch.nn.Module, section=None,
         if config is not None:
             return config
     plan = spec_split.hf_plan(model)
-    converted = spec_split.from_hf_plan(model, plan, where) if plan else None  # refused where DeepSpeed refuses
-    return None if _knows(model) else converted
+    if plan:
+        converted = spec_split.from_hf_plan(model, plan, where)  # refused where DeepSpeed refuses
+        return None if _knows(model) else converted
+    return None if _knows(model) else heuristic.plan(model, where)
 
 
 def _knows(model: torch.nn.Module) -> bool:

@@ -32,6 +32,11 @@ from crew.runtime.tensor_parallel.subparams import bias_layout, weight_layout
 _CANNOT_SPLIT = {("Phi3Attention", "qkv_proj"): "slices q, k and v out of its output at the whole model's widths "
                                                  "(config.num_attention_heads x head_dim), so it cannot run on a "
                                                  "rank's share of the heads"}
+# what a module says about its heads and widths: divided by the TP size above a split linear (DeepSpeed's
+# update_mp_params), so that an attention reading self.num_heads runs on this rank's heads
+_COUNTS = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads", "all_head_size",
+           "embed_dim", "hidden_size", "num_key_value_heads", "num_kv_heads", "kv_n_heads", "d_model",
+           "num_attention_heads_per_partition", "num_multi_query_groups_per_partition", "hidden_size_per_partition")
 SUMMED = "crew_tp_grad_summed"  # a whole parameter whose gradient is summed over the TP group (hooked once)
 _STYLES = {"colwise": ("column", False), "colwise_rep": ("column", True), "colwise_gather_output": ("column", True),
            "rowwise": ("row", False), "embedding_rowwise": ("skip", False),
@@ -99,7 +104,11 @@ def targets(model: torch.nn.Module, config: PartitionConfig) -> list[tuple[str, 
 def check(model: torch.nn.Module, config: PartitionConfig, size: int, where: str) -> None:
     """Before anything is split: each matched module is one crew splits, evenly."""
     heads = set(config.lm_head_patterns)
-    for path, module, spec in targets(model, config):
+    found = targets(model, config)
+    for path, name, value in shrinkable(model, config, {path for path, _, _ in found}):
+        _divides(value, size, f"{where}: {type(model.get_submodule(path)).__name__} '{path}'.{name} ({value}), "
+                              "which DeepSpeed divides by the TP size above a split linear,")
+    for path, module, spec in found:
         what = f"{where}: '{path}' ({type(module).__name__}, matched by {config.source} {list(spec.patterns)})"
         if isinstance(module, torch.nn.Embedding):
             raise ConfigError(f"{what} is an embedding, which crew does not split; give it partition_type \"skip\".")
@@ -131,6 +140,22 @@ def check(model: torch.nn.Module, config: PartitionConfig, size: int, where: str
             _divides(length, size, f"{what}: a sub-parameter of {length} along dim {layout.dim}")
 
 
+def shrinkable(model: torch.nn.Module, config: PartitionConfig, split: set[str]) -> list[tuple[str, str, int]]:
+    """(module path, attribute, value) of each head count / width DeepSpeed divides by the TP size: on each module
+    above a split linear (inside config.scope, the root excluded) that holds no weight of 3 or more dims."""
+    found = []
+    for path, module in model.named_modules():
+        inside = config.scope is None or any(path.startswith(f"{root}.") for root in config.scope)
+        if not path or path in split or not inside or not any(s.startswith(f"{path}.") for s in split):
+            continue
+        mine = list(module.parameters(recurse=False)) + [p for c in module.children() for p in c.parameters(False)]
+        if any(param.dim() >= 3 for param in mine):
+            continue
+        found += [(path, name, getattr(module, name)) for name in _COUNTS
+                  if isinstance(getattr(module, name, None), int) and not isinstance(getattr(module, name), bool)]
+    return found
+
+
 def replace(model: torch.nn.Module, config: PartitionConfig, group) -> dict[int, torch.nn.Parameter]:
     """Swap the matched linears for their TP slices, in place; {id(whole param): its slice}."""
     replaced: dict[int, torch.nn.Parameter] = {}
@@ -142,6 +167,9 @@ def replace(model: torch.nn.Module, config: PartitionConfig, group) -> dict[int,
         replaced[id(module.weight)] = new.weight
         if module.bias is not None:
             replaced[id(module.bias)] = new.bias
+    size = dist.get_world_size(group)
+    for path, name, value in shrinkable(model, config, {path for path, _, _ in split}):
+        setattr(model.get_submodule(path), name, value // size)
     _sum_grads(model, config, group)
     log_rank0("AutoTP: %d linears split over %d ranks by %s", len(split), dist.get_world_size(group), config.source)
     if not split:

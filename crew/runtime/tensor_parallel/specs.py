@@ -61,6 +61,7 @@ class PartitionConfig:
     strict_mode: bool = False
     embedding_partition_dim: int = 1
     source: str = WHERE  # what the specs came from, for messages
+    scope: tuple[str, ...] | None = None  # the modules inside which head counts shrink; None: the whole model
 
     def find(self, name: str, model_type: str | None) -> LayerSpec | None:
         """The first spec matching the parameter name `name` (DeepSpeed's find_matching_spec)."""

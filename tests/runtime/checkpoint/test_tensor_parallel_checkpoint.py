@@ -170,6 +170,7 @@ def two():
                       "deepspeed_phi3": (deepspeeds, "phi3_partition_config"),
                       "deepspeed_phi3_tp1": (deepspeeds, "phi3_partition_config", 1),
                       "deepspeed_neox": (deepspeeds, "gpt_neox_tp_plan"),
+                      "deepspeed_falcon": (deepspeeds, "falcon_heuristic"),
                       "deepspeed3_dp1": (deepspeeds, "stage3_fp32_dp2")}, world_size=2)
 
 
@@ -233,7 +234,8 @@ def test_deepspeeds_autotp_checkpoint_exports_whole(tmp_path):
 
 @pytest.mark.parametrize("world,part", [(2, "deepspeed0"), (2, "deepspeed0_tp1"), (4, "deepspeed2"),
                                         (2, "deepspeed2_dp1"), (2, "deepspeed_phi3"), (2, "deepspeed_phi3_tp1"),
-                                        (2, "deepspeed_neox"),  # ZeRO 2 of TP 2 x DP 2 on TP 2 x DP 1
+                                        (2, "deepspeed_neox"), (2, "deepspeed_falcon"),
+                                        # deepspeed2_dp1: ZeRO 2 of TP 2 x DP 2 on TP 2 x DP 1
                                         (4, "deepspeed3"), (2, "deepspeed3_dp1")])  # ZeRO 3 of TP 2 x DP 2
 def test_deepspeeds_autotp_checkpoint_loads(two, four, world, part):
     for result in (two if world == 2 else four)[part]:

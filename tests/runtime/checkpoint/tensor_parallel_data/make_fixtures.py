@@ -26,12 +26,15 @@ import torch
 HERE = Path(__file__).resolve().parent
 # name: (ZeRO stage, precision, ranks)
 CASES = {"stage0_fp32": (0, "fp32", 2), "stage2_fp32_dp2": (2, "fp32", 4),
-         "phi3_partition_config": (0, "fp32", 2), "gpt_neox_tp_plan": (0, "fp32", 2)}
+         "phi3_partition_config": (0, "fp32", 2), "gpt_neox_tp_plan": (0, "fp32", 2),
+         "falcon_heuristic": (0, "fp32", 2)}
 TP = 2
 # Phi-3's fused gate_up_proj split as two sub-parameters (each rank its half of gate and of up), its attention whole:
 # DeepSpeed's preset "phi3" also splits the fused qkv_proj, which Phi3Attention cannot run on (it slices q, k, v at
 # the whole model's widths: DeepSpeed 0.19.8 fails in the first forward). GPT-NeoX: no section, so DeepSpeed splits
-# by the model's Hugging Face tp_plan (query_key_value by column, attention.dense by row, ...).
+# by the model's Hugging Face tp_plan (query_key_value by column, attention.dense by row, ...). Falcon: no tp_plan, so
+# DeepSpeed's heuristic parser (the linears before a norm and self_attention.dense by row, the rest by column, the
+# fused query_key_value as one block, its attention's head counts halved).
 PHI3_MLP = {"use_default_specs": False, "layer_specs": [
     {"patterns": [r".*\.self_attn\..*"], "partition_type": "skip"},
     {"patterns": [r".*\.mlp\.down_proj\.weight$"], "partition_type": "row"},
@@ -53,6 +56,10 @@ def make_model(case: str = "stage0_fp32"):
         sizes.update(num_attention_heads=2)  # heads of 8: a quarter of each rotary
         del sizes["num_key_value_heads"]
         return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**sizes))
+    if case.startswith("falcon"):
+        return transformers.FalconForCausalLM(transformers.FalconConfig(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=4, vocab_size=32, multi_query=False,
+            bias=True, tie_word_embeddings=False))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
 
 
