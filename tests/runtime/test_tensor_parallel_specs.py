@@ -101,7 +101,8 @@ def _tiny(kind: str, **sizes):
     config_cls, model_cls = {"phi3": ("Phi3Config", "Phi3ForCausalLM"), "mixtral": ("MixtralConfig",
                              "MixtralForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
                              "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
-                             "falcon": ("FalconConfig", "FalconForCausalLM")}[kind]
+                             "falcon": ("FalconConfig", "FalconForCausalLM"),
+                             "bloom": ("BloomConfig", "BloomForCausalLM")}[kind]
     config = getattr(transformers, config_cls)(**{"vocab_size": 32, **sizes})
     return getattr(transformers, model_cls)(config)
 
@@ -117,6 +118,8 @@ PHI3 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_atten
                      num_key_value_heads=2, num_local_experts=2), None, ["'moe_tp_experts'", "'packed_colwise'"]),
     ("gpt2", dict(n_embd=16, n_layer=1, n_head=4), None, ["GPT2LMHeadModel", "AutoTP not supported",
                                                            "partition_config"]),
+    ("bloom", dict(hidden_size=16, n_layer=1, n_head=4), None, ["transformer.h.0.self_attention.query_key_value'",
+                                                                 "ALiBi", "DeepSpeed 0.19.8 fails there too"]),
     ("phi3", PHI3, {"preset_model": "phi3"}, ["model.layers.0.self_attn.qkv_proj' (Linear",
                                               "Phi3Attention slices q, k and v", "skip"]),
     ("phi3", PHI3, {"partition_config": {"layer_specs": [{"patterns": [r".*embed_tokens\.weight$"]}]}},

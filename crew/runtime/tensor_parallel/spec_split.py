@@ -31,7 +31,9 @@ from crew.runtime.tensor_parallel.subparams import bias_layout, weight_layout
 # first forward); crew says so before anything is split
 _CANNOT_SPLIT = {("Phi3Attention", "qkv_proj"): "slices q, k and v out of its output at the whole model's widths "
                                                  "(config.num_attention_heads x head_dim), so it cannot run on a "
-                                                 "rank's share of the heads"}
+                                                 "rank's share of the heads",
+                 ("BloomAttention", "query_key_value"): "adds an ALiBi bias that BloomModel builds for all the heads, "
+                                                        "so it cannot run on a rank's share of them"}
 # what a module says about its heads and widths: divided by the TP size above a split linear (DeepSpeed's
 # update_mp_params), so that an attention reading self.num_heads runs on this rank's heads
 _COUNTS = ("n_heads", "inner_dim", "num_heads", "num_kv", "num_attention_heads", "num_attn_heads", "all_head_size",
