@@ -84,7 +84,8 @@ def differences(engine, ref_state: dict) -> float:
 
 
 def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "llama",
-          client_optimizer: bool = False, gas: int = 1, sizes: dict | None = None, zero: dict | None = None) -> dict:
+          client_optimizer: bool = False, gas: int = 1, sizes: dict | None = None, zero: dict | None = None,
+          under_init: bool = False) -> dict:
     """STEPS steps under TP `tp`; this rank's losses minus the reference's, and the largest weight difference."""
     import torch.distributed as dist
 
@@ -95,8 +96,15 @@ def train(rank: int, stage: int, tp: int = 2, clip: float = 0.0, kind: str = "ll
     world = dist.get_world_size()
     dp = world // tp
     model = tiny(kind, **(sizes or {}))
+    if under_init:  # partitioned as it is built; the reference starts from its values, gathered
+        with deepspeed.zero.Init():
+            built = tiny(kind, **(sizes or {}))
+        assert all(deepspeed.zero.partition_parameters.is_partitioned(p) for p in built.parameters())
+        with deepspeed.zero.GatheredParameters(list(built.parameters())):
+            model.load_state_dict({name: value.clone() for name, value in built.state_dict().items()})
     data = samples(STEPS * dp * gas)
     ref = reference(model, data, dp * gas, clip)
+    model = built if under_init else model
     # crew, as DeepSpeed, clips at 1.0 unless told
     cfg = config(world, tp, stage, zero, gradient_clipping=clip, train_batch_size=world * gas,
                  gradient_accumulation_steps=gas)
@@ -280,7 +288,8 @@ FOUR = {"stage0": (train, 0), "stage1_accumulating_clipped": (train, 1, 2, 1.0, 
         "stage2_clipped": (train, 2, 2, 1.0),
         "stage3_clipped": (train, 3, 2, 1.0, "llama", False, 1, None, SHARD_ALL),
         "stage3_whole_slices_accumulating": (train, 3, 2, 0.0, "llama", False, 2), "modified": (modified,),
-        "stage3_offloaded_clipped": (offloaded,)}
+        "stage3_offloaded_clipped": (offloaded,),
+        "stage3_zero_init": (train, 3, 2, 0.0, "llama", False, 1, None, SHARD_ALL, True)}
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,20 @@ def test_fused_slices_are_deepspeeds():
     assert torch.equal(layout.join(slices), whole)
 
 
+def test_fused_cuts_are_deepspeeds_wherever_they_split_evenly():
+    """subparams.json: each rank's slice of arange weights as DeepSpeed 0.19.8's SubParamLinearLayer cuts them, at TP
+    2 and 4; where a sub-parameter does not divide, DeepSpeed splits unevenly and crew refuses (spec_split.check)."""
+    compared = 0
+    for case in json.loads((DATA / "subparams.json").read_text()):
+        layout = weight_layout(tuple(case["weight"]), _tuples(case["shape"]), case["dim"], "w")
+        if any(size % case["tp"] for size in layout.sizes):
+            continue
+        whole = torch.arange(case["weight"][0] * case["weight"][1]).reshape(case["weight"])
+        assert [layout.cut(whole, case["tp"], t).tolist() for t in range(case["tp"])] == case["slices"], case
+        compared += 1
+    assert compared == 8
+
+
 def test_unequal_sub_parameters_are_cut_each_on_its_own():
     """[[4, 2, 2], -1] (q, k, v of a grouped-query attention) on TP 2: each rank q's half, k's and v's."""
     whole = torch.arange(8 * 3).reshape(8, 3)

@@ -88,7 +88,7 @@ def apply(model: torch.nn.Module, section: TPTrainingConfig) -> dict[int, torch.
     parallel.init_tensor_parallel(size)  # at stage 3 its data-parallel mesh is FSDP2's (crew/runtime/zero)
     if getattr(model, "ds_autotp_parsed", False):  # split by an earlier engine (Lightning's fit, then test)
         return {}
-    _refuse_placeholders(model, size)
+    _whole_weights(model)
     autotp.check_model(model, size, section)
     group = parallel.tensor_parallel_group()
     _broadcast_whole(model, group)
@@ -97,15 +97,13 @@ def apply(model: torch.nn.Module, section: TPTrainingConfig) -> dict[int, torch.
     return replaced
 
 
-def _refuse_placeholders(model: torch.nn.Module, size: int) -> None:
-    """AutoTP cuts its slices from the whole weights, so they must be there (not meta, not zero.Init's pieces)."""
-    from crew.runtime.zero import Zero, partition_parameters
+def _whole_weights(model: torch.nn.Module) -> None:
+    """AutoTP cuts its slices from the whole weights, so they must be there: not on the meta device (refused), and a
+    model built under zero.Init is gathered whole first (DeepSpeed's AutoTP takes one too); stage 3 then shards the
+    slices again."""
+    from crew.runtime.zero import Zero, gather_init_built
     Zero.refuse_meta(model)
-    split = [name for name, p in model.named_parameters() if partition_parameters.is_partitioned(p)]
-    if split:
-        raise ConfigError(f"{SECTION}.autotp_size = {size}: the model was built under deepspeed.zero.Init, so its "
-                          f"parameters ({split[0]}, ...) are partitioned placeholders; build it without zero.Init "
-                          "(at stage 3 too: the engine shards each TP slice over the data-parallel group).")
+    gather_init_built(model, f"{SECTION}.autotp_size cuts its slices from the whole weights")
 
 
 def _broadcast_whole(model: torch.nn.Module, group) -> None:

@@ -159,15 +159,7 @@ class Zero:
 
     def make_whole(self, model: torch.nn.Module) -> None:
         """Stages 0-2 keep every parameter whole on every rank: gather what zero.Init partitioned."""
-        split = [p for p in dict.fromkeys(model.parameters()) if partition_parameters.is_partitioned(p)]
-        if split:
-            partition_parameters.gather(split)
-            for param in split:
-                for name in ("ds_tensor", "ds_id", "ds_shape", "ds_numel", "ds_status", "ds_persist",
-                             "ds_active_sub_modules"):
-                    param.__dict__.pop(name, None)
-            log_rank0("zero.Init: stage %d keeps whole parameters on every rank, so the model built "
-                      "partitioned is gathered whole", self.stage)
+        gather_init_built(model, f"stage {self.stage} keeps whole parameters on every rank")
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, precision=None) -> torch.optim.Optimizer:
         """Stage 1: the same optimizer, its state split over the ranks by ZeroRedundancyOptimizer.
@@ -219,6 +211,19 @@ class Zero:
         if self.persistent_grads is not None:
             return self.persistent_grads.reducing(boundary)
         return self.grads.reducing(boundary) if self.grads is not None else contextlib.nullcontext()
+
+
+def gather_init_built(model: torch.nn.Module, why: str) -> None:
+    """The parameters zero.Init partitioned, made whole plain parameters on every rank (a collective)."""
+    split = [p for p in dict.fromkeys(model.parameters()) if partition_parameters.is_partitioned(p)]
+    if not split:
+        return
+    partition_parameters.gather(split)
+    for param in split:
+        for name in ("ds_tensor", "ds_id", "ds_shape", "ds_numel", "ds_status", "ds_persist",
+                     "ds_active_sub_modules"):
+            param.__dict__.pop(name, None)
+    log_rank0("zero.Init: %s, so the model built partitioned is gathered whole", why)
 
 
 def _stepping_for(client: torch.optim.Optimizer, replacement: torch.optim.Optimizer) -> torch.optim.Optimizer:

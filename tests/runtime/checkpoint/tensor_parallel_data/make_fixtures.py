@@ -10,7 +10,8 @@ torch's AdamW, two optimizer steps on fixed batches (batch(rank, step)), then en
 tag="t2", client_state={"note": "fixture"}) as DeepSpeed writes it (its zero_to_fp32.py copies removed). Beside
 the checkpoint, expected.pt: DeepSpeed's _consolidated_16bit_state_dict() (the whole weights) and every rank's
 loss of a third forward on batch(rank, 2), which a run that loaded the checkpoint must reproduce. And presets.json:
-DeepSpeed's preset_model layer specs (AutoTPPresets), which crew's must equal.
+DeepSpeed's preset_model layer specs (AutoTPPresets), which crew's must equal, and subparams.json: each TP rank's slice
+of a few fused weights (CUTS) as DeepSpeed cuts them.
 """
 
 from __future__ import annotations
@@ -123,6 +124,33 @@ def presets() -> None:
     names = ("llama", "bloom", "chatglm", "mixtral", "deepseek_v2", "qwen2", "phi3")
     found = {name: [spec(s) for s in AutoTPPresets.get_preset(name).layer_specs] for name in names}
     (HERE / "presets.json").write_text(json.dumps(found, indent=1) + "\n")
+    (HERE / "subparams.json").write_text(json.dumps(subparam_cuts()) + "\n")
+
+
+# (weight shape, spec shape, partition_dim): fused weights cut as sub-parameters, by DeepSpeed's own functions
+CUTS = [((8, 3), [2, -1], 0), ((8, 3), [[4, 2, 2], -1], 0), ((12, 2), [[6, 2, 4], -1], 0), ((3, 8), [-1, [2, 6]], 1),
+        ((16, 2), [2, [2, 6], -1], 1), ((12, 2), [3, -1], 0)]
+
+
+def subparam_cuts() -> list:
+    """For each of CUTS and TP 2 and 4: each rank's slice of torch.arange (DeepSpeed 0.19.8's
+    _infer_subparam_logical_shapes, _subparam_shard_widths, _partition_logical_tensor, as SubParamLinearLayer)."""
+    from deepspeed.module_inject import layers
+    from deepspeed.module_inject.tp_shard import AutoTPMeta
+
+    found = []
+    for weight_shape, shape, dim in CUTS:
+        spec = layers._normalize_shape_spec(shape)
+        logical, _, sizes, _ = layers._infer_subparam_logical_shapes(weight_shape, spec, dim)
+        weight = torch.arange(weight_shape[0] * weight_shape[1]).reshape(weight_shape)
+        for tp in (2, 4):
+            widths = layers._subparam_shard_widths(sizes or (logical[dim], ), tp, AutoTPMeta())
+            slices = []
+            for rank in range(tp):
+                cut = layers._partition_logical_tensor(weight.reshape(logical), dim, tp, rank, widths, sizes)
+                slices.append(cut.reshape(-1, cut.shape[-1]).tolist())
+            found.append({"weight": list(weight_shape), "shape": shape, "dim": dim, "tp": tp, "slices": slices})
+    return found
 
 
 def main() -> None:
