@@ -34,7 +34,8 @@ def tiny(kind: str = "llama", **overrides):
                              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                              "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-                             "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM")}[kind]
+                             "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+                             "falcon": ("FalconConfig", "FalconForCausalLM")}[kind]
     config = getattr(transformers, config_cls)(**sizes)
     return getattr(transformers, model_cls)(config)
 
@@ -269,7 +270,8 @@ TWO = {"llama": (train, 0), "clipped": (train, 0, 2, 1.0), "client": (train, 0, 
        # dp 1: FSDP2 over one rank; Qwen3's q_norm / k_norm (hooked: summed over TP) stay whole, the rest sharded
        "stage3_qwen3": (train, 3, 2, 0.0, "qwen3", False, 1, None, SHARD_ALL)}
 # layer specs: Phi-3's fused gate_up_proj as two sub-parameters (attention whole, as DeepSpeed needs for Phi-3);
-# GPT-NeoX by its Hugging Face tp_plan (fused query_key_value by column); Qwen3 by preset "qwen2" with a spec in
+# GPT-NeoX by its Hugging Face tp_plan (fused query_key_value by column); Falcon (no tp_plan) by DeepSpeed's
+# parser; Qwen3 by preset "qwen2" with a spec in
 # front of it for lm_head (q_norm / k_norm gradients summed: DeepSpeed's preset leaves them to drift apart)
 PHI3_MLP = {"use_default_specs": False, "layer_specs": [
     {"patterns": [r".*\.self_attn\..*"], "partition_type": "skip"},
@@ -282,6 +284,8 @@ TWO.update({"phi3_fused_mlp": (by_specs, "phi3", {"partition_config": PHI3_MLP},
             "phi3_fused_mlp_stage3": (by_specs, "phi3", {"partition_config": PHI3_MLP},
                                       {"num_key_value_heads": 4, "pad_token_id": 0}, 3),
             "gpt_neox_tp_plan": (by_specs, "gpt_neox", {}, {}),
+            "falcon_heuristic": (by_specs, "falcon", {}, {"multi_query": False, "bias": True,
+                                                         "tie_word_embeddings": False}),
             "qwen3_preset_merged": (by_specs, "qwen3", {"preset_model": "qwen2", "partition_config": HEAD}, {})})
 # stage 0: DDP over the dp group; stage 1 accumulating 2 micro steps, stage 2 clipping (its norm over dp and tp)
 FOUR = {"stage0": (train, 0), "stage1_accumulating_clipped": (train, 1, 2, 1.0, "llama", False, 2),
@@ -382,7 +386,7 @@ def test_the_loader_gives_a_tp_group_the_same_samples(two):
 
 
 @pytest.mark.parametrize("part", ["phi3_fused_mlp", "phi3_fused_mlp_stage3", "gpt_neox_tp_plan",
-                                  "qwen3_preset_merged"])
+                                  "falcon_heuristic", "qwen3_preset_merged"])
 def test_a_split_by_layer_specs_trains_as_one_process(two, part):
     for result in two[part]:
         assert result["loss"] < TOL and result["weights"] < TOL, result
@@ -402,6 +406,12 @@ def test_layer_specs_split_what_deepspeed_splits(two):
     assert neox[layer + "attention.dense.weight"] == ((64, 32), (64, 64))
     assert neox[layer + "attention.dense.bias"] == ((64,), (64,))  # row: whole, added once
     assert neox["lm_head.weight"] == ((64, 64), (128, 64)) and neox["gpt_neox.embed_in.weight"][0] == (128, 64)
+    falcon, layer = two["falcon_heuristic"][0]["shapes"], "transformer.h.0."
+    assert falcon[layer + "self_attention.query_key_value.weight"] == ((96, 64), (192, 64))
+    assert falcon[layer + "self_attention.dense.weight"] == ((64, 32), (64, 64))
+    assert falcon[layer + "mlp.dense_h_to_4h.weight"] == ((128, 64), (256, 64))
+    assert falcon[layer + "mlp.dense_4h_to_h.weight"] == ((64, 128), (64, 256))
+    assert falcon["lm_head.weight"] == ((128, 64), (128, 64))  # whole: DeepSpeed's parser leaves it in training
     assert qwen3["lm_head.weight"] == ((64, 64), (128, 64))  # the spec in front of the preset
     mine, whole = qwen3["model.layers.0.self_attn.q_proj.weight"]
     assert mine == (whole[0] // 2, whole[1])
