@@ -128,9 +128,12 @@ def _linears(layer: torch.nn.Module, rows: set[str], where: str):
             yield path, "column", {"shape": [2, -1], "partition_dim": 0}
         elif name in rows or "down_proj" in name:
             yield path, "row", {}
-        elif any(word in name for word in _FUSED_QKV) and type(layer).__name__ not in _ONE_BLOCK:
-            raise ConfigError(f"{where}: '{path}' of {type(layer).__name__} is a fused q/k/v projection whose layout "
-                              "crew does not cut by itself (it knows Bloom's and Falcon's). Describe it in "
-                              "tensor_parallel.partition_config.layer_specs (a \"shape\" such as [3, -1]).")
+        elif any(word in name for word in _FUSED_QKV):
+            if type(layer).__name__ not in _ONE_BLOCK:
+                raise ConfigError(f"{where}: '{path}' of {type(layer).__name__} is a fused q/k/v projection whose "
+                                  "layout crew does not cut by itself (it knows Bloom's and Falcon's). Describe it in "
+                                  "tensor_parallel.partition_config.layer_specs (a \"shape\" such as [3, -1]).")
+            # one sub-parameter: cut as any column, recorded in checkpoints as DeepSpeed's fused_LinearLayer does
+            yield path, "column", {"shape": [[module.out_features], module.in_features], "partition_dim": 0}
         else:
             yield path, "column", {}

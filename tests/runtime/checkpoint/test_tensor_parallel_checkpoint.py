@@ -171,6 +171,8 @@ def two():
                       "deepspeed_phi3_tp1": (deepspeeds, "phi3_partition_config", 1),
                       "deepspeed_neox": (deepspeeds, "gpt_neox_tp_plan"),
                       "deepspeed_falcon": (deepspeeds, "falcon_heuristic"),
+                      "resume_neox": (resume, 0, "fp32", "gpt_neox_tp_plan"),
+                      "resume_falcon": (resume, 0, "fp32", "falcon_heuristic"),
                       "deepspeed3_dp1": (deepspeeds, "stage3_fp32_dp2")}, world_size=2)
 
 
@@ -289,3 +291,12 @@ def test_fused_sub_parameters_resume_and_reshard_in_deepspeeds_files(two):
     deepspeeds = torch.load(DATA / "phi3_partition_config" / "t2" / "mp_rank_00_model_states.pt", weights_only=True)
     assert two["resume_phi3"][0]["keys"]["universal"] == deepspeeds["universal_checkpoint_info"]
     assert two["resume_phi3"][0]["shapes"]["model.layers.0.mlp.gate_up_proj.weight"] == (32, 16)
+
+
+@pytest.mark.parametrize("part, case", [("resume_neox", "gpt_neox_tp_plan"), ("resume_falcon", "falcon_heuristic")])
+def test_a_split_by_tp_plan_or_parser_resumes_in_deepspeeds_files(two, part, case):
+    """GPT-NeoX (its tp_plan), Falcon (DeepSpeed's parser): resume exact, universal_checkpoint_info as DeepSpeed's."""
+    for result in two[part]:
+        assert result["A"] == result["B"] and result["same"] and result["steps"] == 4
+    deepspeeds = torch.load(DATA / case / "t2" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert two[part][0]["keys"]["universal"] == deepspeeds["universal_checkpoint_info"]
