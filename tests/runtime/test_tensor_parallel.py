@@ -35,7 +35,8 @@ def tiny(kind: str = "llama", **overrides):
                              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                              "phi3": ("Phi3Config", "Phi3ForCausalLM"),
                              "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
-                             "falcon": ("FalconConfig", "FalconForCausalLM")}[kind]
+                             "falcon": ("FalconConfig", "FalconForCausalLM"),
+                             "mixtral": ("MixtralConfig", "MixtralForCausalLM")}[kind]
     config = getattr(transformers, config_cls)(**sizes)
     return getattr(transformers, model_cls)(config)
 
@@ -286,7 +287,9 @@ TWO.update({"phi3_fused_mlp": (by_specs, "phi3", {"partition_config": PHI3_MLP},
             "gpt_neox_tp_plan": (by_specs, "gpt_neox", {}, {}),
             "falcon_heuristic": (by_specs, "falcon", {}, {"multi_query": False, "bias": True,
                                                          "tie_word_embeddings": False}),
-            "qwen3_preset_merged": (by_specs, "qwen3", {"preset_model": "qwen2", "partition_config": HEAD}, {})})
+            "qwen3_preset_merged": (by_specs, "qwen3", {"preset_model": "qwen2", "partition_config": HEAD}, {}),
+            # preset "mixtral" on transformers 5's Mixtral: its experts are 3-D tensors, whole (as DeepSpeed's)
+            "mixtral_preset": (by_specs, "mixtral", {"preset_model": "mixtral"}, {"num_local_experts": 2})})
 # stage 0: DDP over the dp group; stage 1 accumulating 2 micro steps, stage 2 clipping (its norm over dp and tp)
 FOUR = {"stage0": (train, 0), "stage1_accumulating_clipped": (train, 1, 2, 1.0, "llama", False, 2),
         "stage2_clipped": (train, 2, 2, 1.0),
@@ -386,7 +389,7 @@ def test_the_loader_gives_a_tp_group_the_same_samples(two):
 
 
 @pytest.mark.parametrize("part", ["phi3_fused_mlp", "phi3_fused_mlp_stage3", "gpt_neox_tp_plan",
-                                  "falcon_heuristic", "qwen3_preset_merged"])
+                                  "falcon_heuristic", "qwen3_preset_merged", "mixtral_preset"])
 def test_a_split_by_layer_specs_trains_as_one_process(two, part):
     for result in two[part]:
         assert result["loss"] < TOL and result["weights"] < TOL, result
@@ -413,6 +416,10 @@ def test_layer_specs_split_what_deepspeed_splits(two):
     assert falcon[layer + "mlp.dense_4h_to_h.weight"] == ((64, 128), (64, 256))
     assert falcon["lm_head.weight"] == ((128, 64), (128, 64))  # whole: DeepSpeed's parser leaves it in training
     assert qwen3["lm_head.weight"] == ((64, 64), (128, 64))  # the spec in front of the preset
+    mixtral = two["mixtral_preset"][0]["shapes"]  # measured under DeepSpeed 0.19.8: the attention split, all else whole
+    assert mixtral["model.layers.0.self_attn.q_proj.weight"] == ((32, 64), (64, 64))
+    assert mixtral["model.layers.0.self_attn.o_proj.weight"] == ((64, 32), (64, 64))
+    assert all(mine == whole for name, (mine, whole) in mixtral.items() if "self_attn" not in name)
     mine, whole = qwen3["model.layers.0.self_attn.q_proj.weight"]
     assert mine == (whole[0] // 2, whole[1])
     norm = qwen3["model.layers.0.self_attn.q_norm.weight"]
