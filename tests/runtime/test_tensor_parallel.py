@@ -296,7 +296,9 @@ FOUR = {"stage0": (train, 0), "stage1_accumulating_clipped": (train, 1, 2, 1.0, 
         "stage3_clipped": (train, 3, 2, 1.0, "llama", False, 1, None, SHARD_ALL),
         "stage3_whole_slices_accumulating": (train, 3, 2, 0.0, "llama", False, 2), "modified": (modified,),
         "stage3_offloaded_clipped": (offloaded,),
-        "stage3_zero_init": (train, 3, 2, 0.0, "llama", False, 1, None, SHARD_ALL, True)}
+        # built under zero.Init; clipped with slices both whole (up to 4096 elements) and sharded: the norm's mix
+        "stage3_zero_init_mixed_clipped": (train, 3, 2, 1.0, "llama", False, 1, None,
+                                           {"stage3_param_persistence_threshold": 4096}, True)}
 
 
 @pytest.fixture(scope="module")
@@ -347,6 +349,8 @@ def test_stage3_shards_each_tp_slice_over_the_data_parallel_group(two, four):
     assert "model.layers.0.self_attn.q_norm.weight" not in dp1["pieces"]  # hooked: whole, the hook kept
     assert dp1["pieces"]["model.layers.0.mlp.down_proj.weight"] == (64, 64)  # 128 columns / TP 2, DP 1
     assert four["stage3_whole_slices_accumulating"][0]["pieces"] == {}  # the default threshold: all whole
+    mixed = four["stage3_zero_init_mixed_clipped"][0]["pieces"]
+    assert "model.layers.0.self_attn.q_proj.weight" not in mixed and mixed["model.embed_tokens.weight"] == (64, 64)
 
 
 def test_gathered_parameters_keep_the_modifier_data_parallel_ranks_changes(four):
