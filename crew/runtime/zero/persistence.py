@@ -8,8 +8,9 @@ each one whole, with rank 0's values:
 
 - under fp16/bf16 the whole parameter is the fp32 master, as the shards are; through the model's forward it is
   seen in the compute dtype (a differentiable cast: its gradient comes back in fp32);
-- its gradient is averaged over all ranks (under AutoTP: the data-parallel group) once per optimizer step, at the accumulation boundary, in one flat
-  all-reduce in the communication dtype (DeepSpeed reduce-scatters it on every micro step with the others);
+- its gradient is averaged over all ranks (under AutoTP: the data-parallel group) once per optimizer step, at the
+  accumulation boundary, in one flat all-reduce in the communication dtype (DeepSpeed reduce-scatters it on every
+  micro step with the others);
 - every rank then steps the same values with the same gradient, so the copies stay equal.
 """
 
