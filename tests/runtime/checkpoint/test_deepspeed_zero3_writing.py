@@ -202,7 +202,7 @@ def _save_all(rank: int) -> list[dict]:
                     "world": engine.world_size, "before": before if name == "tied" else None,
                     "loaded": loaded if name == "frozen_tied" else None,
                     "not_gathered": [key for key, param in engine.module.named_parameters()
-                                     if _even_shard(param, engine.world_size) is not None]})
+                                     if _even_shard(param, list(range(engine.world_size))) is not None]})
     return out
 
 
