@@ -1,8 +1,8 @@
 """Ulysses sequence parallelism and AutoTP tensor parallelism on CPU ranks: step time and peak memory per rank,
 crew's engine beside plain torch DDP and DeepSpeed 0.19.8.
 
-4 ranks (gloo, one thread each) on this machine, fp32, AdamW (lr 1e-4, clip 1.0), ZeRO stage 0, micro batch 1;
-each configuration is a job of its own (a fresh process per rank, so that its memory is its own).
+4 ranks (gloo, one thread each) on this machine, fp32, AdamW (lr 1e-4, clip 1.0), ZeRO stage 0 (--stage),
+micro batch 1; each configuration is a job of its own (a fresh process per rank, so that its memory is its own).
 
 (a) Ulysses SP on a small Llama (hidden 256, 2 layers, 4 heads of 64, 4 kv heads, MLP 1024, vocab 1024,
     2.6M parameters, transformers' "sdpa" attention), one sequence of L tokens per SP group and step, for
@@ -34,6 +34,7 @@ SP group), so the figure must agree down a column of one length (it does across 
     .venv/bin/python benchmarks/parallel.py               # L up to 8k; 1 warm-up + 3 timed steps
     .venv/bin/python benchmarks/parallel.py --deepspeed-python /opt/dsvenv/bin/python   # DeepSpeed beside
     .venv/bin/python benchmarks/parallel.py --only sp     # or tp
+    .venv/bin/python benchmarks/parallel.py --only tp --stage 3   # the engines at ZeRO 3 (TP slices sharded too)
 
 Memory: up to about 1.5 GB per rank at 8k tokens without SP.
 """
@@ -89,9 +90,9 @@ def sample(seed: int, index: int, length: int) -> dict:
     return {"input_ids": ids, "position_ids": torch.arange(length)[None], "labels": ids.clone()}
 
 
-def ds_config(tp: int = 1) -> dict:
+def ds_config(tp: int = 1, stage: int = 0) -> dict:
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
-              "steps_per_print": 10**9, "zero_optimization": {"stage": 0},
+              "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}}}
     if tp > 1:
         config["tensor_parallel"] = {"autotp_size": tp}
@@ -193,12 +194,12 @@ def worker(args) -> None:
         else:
             batches = iter([sample(rank, i, args.length) for i in range(count)])
             step = (ddp_step(model, batches) if args.library == "ddp" else
-                    engine_step(model, batches, ds_config()))
+                    engine_step(model, batches, ds_config(stage=args.stage)))
     else:  # tp: the ranks of a TP group (contiguous, as DeepSpeed's) train the same sequence
         model = llama(TP_MODEL, TP_LENGTH)
         batches = iter([sample(rank // args.size, i, TP_LENGTH) for i in range(count)])
         step = ddp_step(model, batches) if args.library == "ddp" else engine_step(model, batches,
-                                                                                  ds_config(args.size))
+                                                                                  ds_config(args.size, args.stage))
     setup = reset_peak()
     times, losses = [], []
     for _ in range(count):
@@ -231,7 +232,7 @@ def run_one(kind: str, library: str, size: int, length: int, args) -> list[dict]
     with tempfile.TemporaryDirectory() as out:
         argv, env = command(library, args, args.deepspeed_python)
         argv += ["--worker", "--kind", kind, "--library", library, "--size", str(size), "--length", str(length),
-                 "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", out]
+                 "--warmup", str(args.warmup), "--steps", str(args.steps), "--stage", str(args.stage), "--out", out]
         done = run_job(argv, None, env, args.timeout)
         if done.returncode != 0:
             lines = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
@@ -288,6 +289,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per job (default 3)")
     parser.add_argument("--only", choices=("sp", "tp"), help="one of the two tables")
+    parser.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3),
+                        help="the engines' ZeRO stage (default 0; ddp rows are plain DDP whatever it is)")
     parser.add_argument("--deepspeed_python", "--deepspeed-python", default=None,
                         help="a Python with deepspeed 0.19.8 (e.g. /opt/dsvenv/bin/python): its rows beside crew's")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per job")
@@ -306,7 +309,8 @@ def main() -> None:
     args.lengths = [int(x) for x in args.lengths.split(",")]
     started = time.perf_counter()
     print(f"torch {torch.__version__}, {RANKS} CPU ranks (gloo, 1 thread each) on {os.cpu_count()} cores; fp32, "
-          f"AdamW lr {LR}, clip {CLIP}, ZeRO 0, micro batch 1; {args.warmup} warm-up + {args.steps} timed steps; "
+          f"AdamW lr {LR}, clip {CLIP}, ZeRO {args.stage}, micro batch 1; {args.warmup} warm-up + {args.steps} "
+          "timed steps; "
           f"DeepSpeed: {args.deepspeed_python or 'not run (--deepspeed-python)'}")
     if args.only in (None, "sp"):
         sp_table(args)
