@@ -150,6 +150,9 @@ PHI3 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_atten
      ["partition_config.strict_mode: no layer spec matches 'lm_head.weight'"]),
     ("phi3", PHI3, {"partition_config": {"layer_specs": [{"patterns": [".*lm_head.*"], "partition_type": "row"}]}},
      ["a row-parallel output head"]),
+    ("phi3", {**PHI3, "tie_word_embeddings": True}, {"partition_config": {"layer_specs": [
+        {"patterns": [r"^lm_head\.weight$"], "partition_type": "column"}]}},
+     ["'lm_head' (Linear", "shares its weight with an embedding", "gather_output"]),
 ])
 def test_what_crew_cannot_split_is_refused_before_anything_is(kind, sizes, section, words):
     model = _tiny(kind, **sizes)
@@ -184,3 +187,28 @@ def test_deepspeeds_parser_splits_falcon_and_shrinks_its_head_counts():
     assert not any(path in ("transformer", "transformer.h.0") for path, _, _ in shrunk)  # outside the layers' insides
     with pytest.raises(ConfigError, match=r"'transformer.h.0.self_attention'.num_kv_heads \(1\)"):
         autotp.check_model(_tiny("falcon", multi_query=True, **sizes), 2, parse({"autotp_size": 2}))
+
+
+def test_specs_split_what_deepspeeds_layers_cut_and_check_only_that():
+    """Without a shape a column layer cuts rows and a row layer columns whatever partition_dim says (DeepSpeed's
+    layers ignore it there): the check is on that dim. Head counts are checked only where a split linear is above
+    them, so a model whose attention a spec keeps whole may have 1 key-value head. An empty partition_config is
+    none, as DeepSpeed's `if self.partition_config:`."""
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(8, 6)  # 6 rows: not 4 equal parts; 8 columns would be
+    sideways = {"layer_specs": [{"patterns": [r"^proj\.weight$"], "partition_type": "column", "partition_dim": 1}]}
+    with pytest.raises(ConfigError, match=r"along dim 0 \(6\)"):
+        autotp.check_model(model, 4, parse({"autotp_size": 4, "partition_config": sideways}))
+
+    import transformers
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=32))
+    mlp_only = {"use_default_specs": False, "layer_specs": [
+        {"patterns": [r".*\.self_attn\..*"], "partition_type": "skip"},
+        {"patterns": [r".*\.down_proj\.weight$"], "partition_type": "row"},
+        {"patterns": [r".*\.(gate|up)_proj\.weight$"], "partition_type": "column"}]}
+    autotp.check_model(llama, 2, parse({"autotp_size": 2, "partition_config": mlp_only}))  # no error
+    with pytest.raises(ConfigError, match="num_key_value_heads"):  # split by name: the attention is split
+        autotp.check_model(llama, 2, parse({"autotp_size": 2}))
+    assert specs.resolve(None, {}) is None and specs.resolve("llama", {}) == specs.resolve("llama", None)

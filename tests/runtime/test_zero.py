@@ -35,12 +35,16 @@ def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, p in module.named_parameters()}
 
 
-def train(rank: int, stage: int, steps: int = STEPS, **extra) -> dict:
-    """The mean loss over both ranks per step, and the final weights."""
+def train(rank: int, stage: int, steps: int = STEPS, hook=None, **extra) -> dict:
+    """The mean loss over both ranks per step, and the final weights. `hook`: registered on the first weight's
+    gradient before initialize, as a user or PEFT does."""
     import crew
 
     torch.manual_seed(0)
-    engine, _, _, _ = crew.initialize(model=make_model(), config=config(stage, **extra))
+    model = make_model()
+    if hook is not None:
+        model[0][0].weight.register_hook(hook)
+    engine, _, _, _ = crew.initialize(model=model, config=config(stage, **extra))
     dtype = next(engine.module.parameters()).dtype if stage < 3 else engine.precision.dtype
     generator = torch.Generator().manual_seed(1)
     losses = []
@@ -62,6 +66,20 @@ def train(rank: int, stage: int, steps: int = STEPS, **extra) -> dict:
 
 def every_stage(rank: int, **extra) -> dict:
     return {stage: train(rank, stage, **extra) for stage in range(4)}
+
+
+def hooked(rank: int) -> dict:
+    """A gradient hook on one weight (it halves the gradient) at stage 0 and 3; how often it ran."""
+    results = {}
+    for stage in (0, 3):
+        runs = []
+
+        def halve(grad: torch.Tensor, runs=runs) -> torch.Tensor:
+            runs.append(1)
+            return grad / 2
+
+        results[stage] = {**train(rank, stage, steps=2, hook=halve), "runs": len(runs)}
+    return results
 
 
 def frozen_model_made_with(seed: int) -> torch.nn.Module:
@@ -136,7 +154,7 @@ def job():
     fresh process; the parts are defined below."""
     return run_parts({"memory": (memory_by_stage,), "stages": (every_stage_and_frozen,),
                       "low_precision": (low_precision,), "stage2": (stage2_world,), "init": (init_cases,),
-                      "gather": (gather_at_every_stage,)}, WORLD, timeout=300)
+                      "gather": (gather_at_every_stage,), "hooked": (hooked,)}, WORLD, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +176,16 @@ def test_stages_1_2_3_give_stage_0s_losses_and_weights_with_accumulation_and_cli
     assert ranks[0][2]["optimizer"] == "PartitionedOptimizer"
     assert set(ranks[0][3]["sharded"]) == {"DTensor"}
     assert set(ranks[0][0]["sharded"]) == set(ranks[0][2]["sharded"]) == {"Parameter"}  # whole at stage 2
+
+
+def test_a_parameters_own_gradient_hook_runs_at_stage_3_which_keeps_it_whole(job):
+    """FSDP2 would replace the hooked parameter and drop its hook (DeepSpeed's stage 3 runs it): crew keeps it whole,
+    so the hook runs on every backward and the weights end as at stage 0; the others are still sharded."""
+    for result in job["hooked"]:
+        assert result[0]["runs"] == result[3]["runs"] == 2 * ACCUMULATION
+        assert result[3]["sharded"][0] == "Parameter" and "DTensor" in result[3]["sharded"][1:]
+        for name, value in result[0]["params"].items():
+            assert torch.allclose(result[3]["params"][name], value, atol=1e-6), name
 
 
 def test_a_frozen_model_without_optimizer_runs_at_every_stage_with_rank_0s_weights(stages_job):

@@ -61,10 +61,10 @@ def _knows(model: torch.nn.Module) -> bool:
 def check_model(model: torch.nn.Module, size: int, section=None, where: str = "tensor_parallel.autotp_size") -> None:
     """Before anything is split: the model is one AutoTP knows and its sizes divide by `size`."""
     config = partitioning(model, section, where)
-    _check_sizes(model, size, where)
-    if config is not None:
+    if config is not None:  # what the specs split is checked there (head counts: only above a split linear)
         spec_split.check(model, config, size, where)
         return
+    _check_sizes(model, size, where)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     if not any(_leaf(name) in COLUMN | ROW for name, _ in linears):
         first = next(((name, type(m).__name__) for name, m in linears), None)
@@ -164,7 +164,8 @@ def _sum_per_head_norm_grads(model: torch.nn.Module, group) -> None:
         if len(parts) < 3 or parts[-2] not in PER_HEAD_NORMS or not param.requires_grad:
             continue
         projection = getattr(model.get_submodule(".".join(parts[:-2])), parts[-2][0] + "_proj", None)
-        if isinstance(projection, LinearLayer) and not getattr(param, spec_split.SUMMED, False):
+        split_heads = isinstance(projection, LinearLayer) and not projection.gather_output
+        if split_heads and not getattr(param, spec_split.SUMMED, False):
             param.register_hook(hook)
             setattr(param, spec_split.SUMMED, True)
 

@@ -143,7 +143,7 @@ def gather_full(param: torch.Tensor, group=None) -> torch.Tensor:
     a replicated one as it is (detached). At ZeRO 3 (an FSDP2 DTensor) made whole over its data-parallel
     mesh first."""
     dim = getattr(param, TP_DIM, None)
-    mine = param.full_tensor().detach() if hasattr(param, "full_tensor") else param.detach()
+    mine = _whole_over_dp(param) if hasattr(param, "full_tensor") else param.detach()
     if dim is None:
         return mine
     group = group if group is not None else parallel.tensor_parallel_group()
@@ -151,6 +151,17 @@ def gather_full(param: torch.Tensor, group=None) -> torch.Tensor:
     dist.all_gather(parts, mine.contiguous(), group=group)
     layout = getattr(param, TP_LAYOUT, None)
     return layout.join(parts) if layout is not None else torch.cat(parts, dim=dim)
+
+
+def _whole_over_dp(value) -> torch.Tensor:
+    """An FSDP2 shard made whole (a collective); an offloaded one (in host memory on a device mesh) is moved to
+    the mesh's device first, as NCCL needs."""
+    from torch.distributed.tensor import DTensor
+    local = value.to_local()
+    if local.device.type != value.device_mesh.device_type:
+        value = DTensor.from_local(local.to(value.device_mesh.device_type), value.device_mesh, value.placements,
+                                   shape=value.shape, stride=value.stride())
+    return value.full_tensor().detach()
 
 
 def local_slice(whole: torch.Tensor, param: torch.Tensor, group=None) -> torch.Tensor:

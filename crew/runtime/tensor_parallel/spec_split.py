@@ -107,6 +107,7 @@ def check(model: torch.nn.Module, config: PartitionConfig, size: int, where: str
     """Before anything is split: each matched module is one crew splits, evenly."""
     heads = set(config.lm_head_patterns)
     found = targets(model, config)
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for path, name, value in shrinkable(model, config, {path for path, _, _ in found}):
         _divides(value, size, f"{where}: {type(model.get_submodule(path)).__name__} '{path}'.{name} ({value}), "
                               "which DeepSpeed divides by the TP size above a split linear,")
@@ -122,12 +123,17 @@ def check(model: torch.nn.Module, config: PartitionConfig, size: int, where: str
             raise ConfigError(f"{what}: {type(model.get_submodule(parent)).__name__} {broken}. Keep '{leaf}' and its "
                               "attention whole (a layer spec with partition_type \"skip\" before the others), as "
                               "DeepSpeed 0.19.8 fails there too.")
+        if id(module.weight) in tied and spec.partition_type != "skip" and not spec.gather_output:
+            raise ConfigError(f"{what} shares its weight with an embedding, which stays whole; give it gather_output "
+                              "true (a tied head is then kept whole with its embedding, as DeepSpeed keeps it) or "
+                              "partition_type \"skip\".")
         if spec.partition_type == "row" and leaf in heads:
             raise ConfigError(f"{what}: a row-parallel output head is not supported by crew; split it by column "
                               "with gather_output true, or skip it.")
-        if spec.shape is None:
-            length = module.weight.shape[spec.dim]
-            _divides(length, size, f"{what} along dim {spec.dim} ({length})")
+        if spec.shape is None:  # the layers cut rows (column) or columns (row); partition_dim needs a shape,
+            cut = 0 if spec.partition_type == "column" else 1  # as in DeepSpeed's, which ignores it otherwise
+            length = module.weight.shape[cut]
+            _divides(length, size, f"{what} along dim {cut} ({length})")
             continue
         layout = weight_layout(tuple(module.weight.shape), spec.shape, spec.dim, what)
         last = len(layout.logical) - 1

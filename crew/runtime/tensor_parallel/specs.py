@@ -115,7 +115,7 @@ def resolve(preset: str | None, partition_config: dict | None, source: str = "<d
                               f"({', '.join(PRESETS)}); pick one, or describe the layers in "
                               "tensor_parallel.partition_config.layer_specs.")
         base = parse({"layer_specs": PRESETS[preset.lower()]}, f"tensor_parallel.preset_model {preset!r}")
-    if partition_config is None:
+    if partition_config is None or partition_config == {}:  # DeepSpeed's `if self.partition_config:`
         return base
     custom = parse(partition_config, f"{source}: {WHERE}")
     if base is None or not custom.use_default_specs:

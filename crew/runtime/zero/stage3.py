@@ -31,6 +31,7 @@ import torch
 from crew.errors import ConfigError, CrewError
 from crew.log import log_rank0
 from crew.runtime.tensor_parallel.layers import TP_DIM, TP_LAYOUT
+from crew.runtime.tensor_parallel.spec_split import SUMMED
 from crew.runtime.zero import external, fetching, gather, persistence
 from crew.runtime.zero import partition_parameters as pp
 
@@ -100,10 +101,18 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, wrap_rule, compute
 
 def _hooked(model: torch.nn.Module, chosen: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     """The parameters with gradient hooks of their own (AutoTP's Qwen3 q_norm / k_norm sum theirs over the TP
-    group), not chosen already: FSDP2 would replace them and drop the hooks, so they too stay whole."""
+    group; a user's or PEFT's), not chosen already: FSDP2 would replace them and drop the hooks, where DeepSpeed's
+    stage 3 runs them on the whole gradient, so they too stay whole. Said once when the hooks are not crew's."""
     taken = {id(p) for p in chosen}
-    return [p for p in dict.fromkeys(model.parameters()) if getattr(p, "_backward_hooks", None)
-            and id(p) not in taken]
+    hooked = [p for p in dict.fromkeys(model.parameters()) if getattr(p, "_backward_hooks", None)
+              and id(p) not in taken]
+    foreign = {id(p) for p in hooked if not getattr(p, SUMMED, False)}
+    names = [name for name, p in model.named_parameters() if id(p) in foreign]
+    if names:
+        log_rank0("ZeRO 3: %d parameter(s) with gradient hooks of their own (%s) stay whole on every rank, as the "
+                  "small ones do: sharded, their hooks would not run. Each costs its whole size and optimizer state "
+                  "on every rank.", len(names), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
+    return hooked
 
 
 def _made_whole(module: torch.nn.Module, device: torch.device, done: set[int],
