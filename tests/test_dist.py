@@ -29,7 +29,7 @@ def test_a_hung_rank_fails_with_its_stack_and_is_killed(tmp_path):
     pid_file = tmp_path / "rank1.pid"
     assert run_ranks(exit_quietly_in_rank_1, 1) == [0]  # the fork server started: ranks start within the timeout
     with pytest.raises(AssertionError) as failed:
-        run_ranks(wait_forever_in_rank_1, 2, str(pid_file), timeout=5.0)
+        run_ranks(wait_forever_in_rank_1, 2, str(pid_file), timeout=3.0)
     message = str(failed.value)
     assert "ranks [1] did not finish in time (the others: [0])" in message
     assert "wait_forever_in_rank_1" in message  # the hung rank's Python stack
