@@ -33,10 +33,9 @@ import torch.distributed as dist
 
 from crew.runtime import parallel
 from crew.runtime.checkpoint.layout import CheckpointError
+from crew.runtime.tensor_parallel.layers import TP_DIM, TP_LAYOUT  # the dim a slice is cut along; a fused one's Layout
 
 MODEL_FILE = "mp_rank_{mp:02d}_model_states.pt"
-TP_DIM = "crew_tp_dim"  # crew/runtime/tensor_parallel/layers.py: the dim a sharded parameter is split along
-TP_LAYOUT = "crew_tp_layout"  # and, for a fused weight, its sub-parameter Layout
 
 
 def size() -> int:
@@ -66,7 +65,7 @@ def parallel_keys(engine) -> dict:
 
 def dims(module: torch.nn.Module) -> dict[str, int | dict]:
     """{parameter name: the dim it is split along, or its sub-parameter Layout as a dict}, of the sharded ones."""
-    return {name: _layout(param).as_dict() if _layout(param) is not None else getattr(param, TP_DIM)
+    return {name: getattr(param, TP_DIM) if (layout := _layout(param)) is None else layout.as_dict()
             for name, param in module.named_parameters() if getattr(param, TP_DIM, None) is not None}
 
 
@@ -138,8 +137,7 @@ def _strides(shape) -> list[int]:
 def _fused_affine(layout, tp: int) -> dict:
     """A sub-parameter weight's affine map: each rank's slice as one piece per sub-parameter, in the logical view
     (the weight's own shape for a 2-D `shape` such as [2, -1], as DeepSpeed's _derive_affine_map)."""
-    whole, dim = list(layout.logical), layout.dim
-    local = [n // tp if i == dim else n for i, n in enumerate(whole)]
+    whole, dim, local = list(layout.logical), layout.dim, layout.local_logical(tp)
     ranks = {}
     for index in range(tp):
         pieces, start, placed = [], 0, 0

@@ -152,22 +152,13 @@ def replace(model: torch.nn.Module, group, size: int, section=None) -> dict[int,
 def _sum_per_head_norm_grads(model: torch.nn.Module, group) -> None:
     """q_norm / k_norm beside a column-split q_proj / k_proj, unless a grad_allreduce spec sums them already
     (DeepSpeed's presets do not: its Qwen3 ranks drift apart under preset_model "qwen2")."""
-    import torch.distributed as dist
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=group)
-        return grad
-
     for name, param in model.named_parameters():
         parts = name.split(".")
         if len(parts) < 3 or parts[-2] not in PER_HEAD_NORMS or not param.requires_grad:
             continue
         projection = getattr(model.get_submodule(".".join(parts[:-2])), parts[-2][0] + "_proj", None)
-        split_heads = isinstance(projection, LinearLayer) and not projection.gather_output
-        if split_heads and not getattr(param, spec_split.SUMMED, False):
-            param.register_hook(hook)
-            setattr(param, spec_split.SUMMED, True)
+        if isinstance(projection, LinearLayer) and not projection.gather_output:
+            spec_split.sum_grad_over(param, group)
 
 
 def _tied_head(model: torch.nn.Module) -> bool:

@@ -197,17 +197,25 @@ def _layer(module: torch.nn.Linear, spec: LayerSpec, group, path: str) -> torch.
 def _sum_grads(model: torch.nn.Module, config: PartitionConfig, group) -> None:
     """grad_allreduce specs: whole parameters that act on this rank's share (Qwen3's q_norm), so their gradients
     are summed over the TP group (DeepSpeed's register_replicated_grad_hooks)."""
+    kind = _model_type(model)
+    for name, param in model.named_parameters():
+        spec = config.find(name, kind)
+        if spec is not None and spec.grad_allreduce and param.requires_grad:
+            sum_grad_over(param, group)
+
+
+def sum_grad_over(param: torch.nn.Parameter, group) -> None:
+    """Sum `param`'s gradient over `group` in its backward, once (marked SUMMED)."""
+    if getattr(param, SUMMED, False):
+        return
+
     def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
         dist.all_reduce(grad, group=group)
         return grad
 
-    kind = _model_type(model)
-    for name, param in model.named_parameters():
-        spec = config.find(name, kind)
-        if spec is not None and spec.grad_allreduce and param.requires_grad:
-            param.register_hook(hook)
-            setattr(param, SUMMED, True)
+    param.register_hook(hook)
+    setattr(param, SUMMED, True)
 
 
 def _tied_gathered(model: torch.nn.Module, config: PartitionConfig, kind: str | None) -> set[str]:

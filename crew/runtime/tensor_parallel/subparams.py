@@ -37,14 +37,17 @@ class Layout:
 
     def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
         size = len(parts)
-        local = [n // size if i == self.dim else n for i, n in enumerate(self.logical)]
-        views = [part.reshape(local).split([s // size for s in self.sizes], dim=self.dim) for part in parts]
+        widths = [s // size for s in self.sizes]
+        views = [part.reshape(self.local_logical(size)).split(widths, dim=self.dim) for part in parts]
         subs = [torch.cat([view[i] for view in views], dim=self.dim) for i in range(len(self.sizes))]
         return torch.cat(subs, dim=self.dim).reshape(self.whole)
 
+    def local_logical(self, size: int) -> list[int]:
+        """A rank's slice in the logical view."""
+        return [n // size if i == self.dim else n for i, n in enumerate(self.logical)]
+
     def local_shape(self, size: int) -> tuple[int, ...]:
-        local = [n // size if i == self.dim else n for i, n in enumerate(self.logical)]
-        return tuple(self._flat(torch.empty(local, device="meta")).shape)
+        return tuple(self._flat(torch.empty(self.local_logical(size), device="meta")).shape)
 
     def _flat(self, local: torch.Tensor) -> torch.Tensor:
         """Back to the whole tensor's rank: the cut dim folded into the output rows, or the input columns."""
